@@ -1,0 +1,1 @@
+"""SparseSpec for Hugging Face Transformers."""

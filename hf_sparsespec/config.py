@@ -1,0 +1,107 @@
+"""User-facing configuration of sparse self-speculative decoding.
+
+`SparseSpecConfig` is frozen and validated once, in `__post_init__`; values discovered at run time
+(page count, vocabulary, eos ids) live in the engine's `EngineLayout`, never here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+SCHEDULER_POLICIES = ("unified", "naive")
+SELECTION_POLICIES = ("pillar", "streaming", "dense")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"SparseSpecConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"SparseSpecConfig.{name} must be {expected}, got {value}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"SparseSpecConfig.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SparseSpecConfig:
+    """How SparseSpec drafts, verifies and schedules.
+
+    Args:
+        num_draft_tokens: k, the number of sparse draft steps between two full verifications.
+        budget_ratio: fraction of the context each draft step reads, besides the recent window.
+            The per-request budget is `B = max(min_budget, ceil(budget_ratio * kv_len))` keys per
+            (layer, KV head).
+        min_budget: the least number of selected keys per (layer, KV head).
+        scheduler: `"unified"` staggers requests over the k+1 phases of a cycle so every iteration
+            mixes drafts and verifications; `"naive"` runs every request in lockstep (ablation).
+        selection: `"pillar"` (PillarAttn: top-B keys by the attention the last verification
+            computed), `"streaming"` (first `num_sink_tokens` keys plus the most recent ones), or
+            `"dense"` (draft with full attention; accepts everything under greedy, a sanity check).
+        num_sink_tokens: sink tokens of the streaming selection.
+        delayed_verification: let a verifying request sit out the next iteration while the host
+            reads its result, so the host never waits on the device while work is queued.
+        page_size: tokens per KV page.
+        max_num_requests: the most requests decoding at once (device slots).
+        num_pages: KV pages per layer; None sizes the pool from the requests (CPU) or from free
+            device memory (`gpu_memory_fraction`).
+        gpu_memory_fraction: share of free device memory the KV pool may take when sizing itself.
+        prefill_chunk_size: the most prompt tokens one iteration prefills (longer prompts are
+            prefilled in chunks).
+        backend: attention kernels: `"triton"` on CUDA, `"torch"` (the reference) anywhere;
+            `"auto"` picks Triton on CUDA and torch elsewhere.
+    """
+
+    num_draft_tokens: int = 8
+    budget_ratio: float = 0.05
+    min_budget: int = 128
+    scheduler: Literal["unified", "naive"] = "unified"
+    selection: Literal["pillar", "streaming", "dense"] = "pillar"
+    num_sink_tokens: int = 4
+    delayed_verification: bool = True
+    page_size: int = 16
+    max_num_requests: int = 256
+    num_pages: int | None = None
+    gpu_memory_fraction: float = 0.85
+    prefill_chunk_size: int = 4096
+    backend: Literal["auto", "torch", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int("num_draft_tokens", self.num_draft_tokens, 1, 64)
+        if not isinstance(self.budget_ratio, (int, float)) or isinstance(self.budget_ratio, bool):
+            raise ValueError(f"SparseSpecConfig.budget_ratio must be a float, got {self.budget_ratio!r}")
+        if not (0.0 < self.budget_ratio <= 1.0) or math.isnan(self.budget_ratio):
+            raise ValueError(f"SparseSpecConfig.budget_ratio must be in (0, 1], got {self.budget_ratio}")
+        _check_int("min_budget", self.min_budget, 1)
+        _check_choice("scheduler", self.scheduler, SCHEDULER_POLICIES)
+        _check_choice("selection", self.selection, SELECTION_POLICIES)
+        _check_int("num_sink_tokens", self.num_sink_tokens, 0)
+        if self.selection == "streaming" and self.num_sink_tokens >= self.min_budget:
+            raise ValueError(
+                f"SparseSpecConfig.num_sink_tokens must be < min_budget ({self.min_budget}) for the "
+                f"streaming selection, got {self.num_sink_tokens}"
+            )
+        if not isinstance(self.delayed_verification, bool):
+            raise ValueError(
+                f"SparseSpecConfig.delayed_verification must be a bool, got {self.delayed_verification!r}"
+            )
+        _check_int("page_size", self.page_size, 1, 4096)
+        _check_int("max_num_requests", self.max_num_requests, 1)
+        if self.num_pages is not None:
+            _check_int("num_pages", self.num_pages, 1)
+        if not isinstance(self.gpu_memory_fraction, (int, float)) or not (0.0 < self.gpu_memory_fraction <= 1.0):
+            raise ValueError(
+                f"SparseSpecConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}"
+            )
+        _check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
+        _check_choice("backend", self.backend, BACKENDS)
+
+    def budget(self, kv_len: int) -> int:
+        """Selected keys per (layer, KV head) for a context of `kv_len` keys (before clamping to the
+        number of keys that can be selected)."""
+        return max(self.min_budget, math.ceil(self.budget_ratio * kv_len))
