@@ -37,13 +37,16 @@ class TorchBackend:
 
     name = "torch"
 
+    def plan(self, host) -> None:
+        return None
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def mixed_attention(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    def mixed_attention(self, *args, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
         return mixed_attention_ref(*args)
 
-    def pillar_select(self, *args) -> torch.Tensor:
+    def pillar_select(self, *args, plan=None) -> torch.Tensor:
         return pillar_select_ref(*args)
 
 

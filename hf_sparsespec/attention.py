@@ -1,0 +1,111 @@
+"""The attention function registered with transformers as `"sparsespec"`.
+
+Modeling code calls it once per layer with the step's queries; the keys/values of the step were
+already written into the pages by `SparseSpecCache.update`. It reads everything else from the
+`sparsespec_step` forward kwarg: prefill and verification rows attend fully and causally, draft rows
+attend to their PillarAttn selection plus their recent window, and verification rows refresh the
+selection of their request for this layer from the exact attention probabilities they just computed.
+
+The matching mask function returns None: the attention derives all masking from the step metadata,
+and a dense `[num_tokens, kv_len]` mask of a packed batch would cost quadratic memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+ATTENTION_NAME = "sparsespec"
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def sparsespec_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, num_q_heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim] (already in the pages)
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    step = kwargs.get("sparsespec_step")
+    if step is None:
+        raise RuntimeError(
+            "attn_implementation='sparsespec' only runs inside hf_sparsespec's engine; call "
+            "model.generate(..., generation_strategy='sparsespec') or switch the model back with "
+            "model.set_attn_implementation('sdpa')"
+        )
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"hf_sparsespec does not support attention with `{name}` ({type(module).__name__})")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < step.max_context:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses sliding-window attention (window {window}) and the context "
+            f"reached {step.max_context} tokens; hf_sparsespec supports full attention only"
+        )
+    layer_idx = module.layer_idx
+    layer = step.cache.layers[layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [num_tokens, num_q_heads, head_dim]
+    out, lse = step.backend.mixed_attention(
+        q,
+        layer.keys,
+        layer.values,
+        step.page_table,
+        step.query_start,
+        step.context_lens,
+        step.num_full_rows,
+        step.recent_start,
+        step.cache.selected[layer_idx],
+        step.selection_slot,
+        step.num_selected,
+        scale,
+        plan=step.plan,
+    )
+    if step.score_verify_rows and step.num_verify_rows > 0:
+        v0, v1 = step.verify_tokens
+        first_verify_row = step.num_prefill_rows
+        selected = step.backend.pillar_select(
+            q[v0:v1],
+            layer.keys,
+            step.page_table[first_verify_row : first_verify_row + step.num_verify_rows],
+            step.verify_query_start,
+            lse[v0:v1],
+            step.num_old_keys,
+            step.budgets,
+            step.max_num_old_keys,
+            step.max_budget,
+            scale,
+            plan=step.plan,
+        )
+        step.cache.selected[layer_idx].index_copy_(0, step.verify_slots, selected)
+    step.attention_calls += 1
+    return out[None], None
+
+
+def sparsespec_mask(*args, **kwargs) -> None:
+    """Mask function registered for `"sparsespec"`: no mask, see the module docstring."""
+    return None
+
+
+def register_attention() -> None:
+    """Register `"sparsespec"` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, sparsespec_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sparsespec_mask)
+
+
+@contextlib.contextmanager
+def use_attention(model: torch.nn.Module, name: str = ATTENTION_NAME):
+    """Switch `model` to the attention implementation `name` and restore the previous one on exit."""
+    register_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,294 @@
+"""The two front doors of the engine.
+
+- `generate`: the decoding callable for `model.generate(..., custom_generate=hf_sparsespec.generate)`
+  (and what `generation_strategy="sparsespec"` forwards to). transformers has already prepared the
+  generation config, the logits processors and the stopping criteria; this turns the (left-padded)
+  batch into requests, runs the engine and returns exactly what `generate` returns.
+- `generate_batch`: ragged prompts (lists of token ids, no padding) in, one result per prompt out.
+
+Everything a request cannot get right is refused here, before any work, with NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from hf_sparsespec.config import SparseSpecConfig
+from hf_sparsespec.engine import Engine
+from hf_sparsespec.results import StopChecker
+from hf_sparsespec.sampling import LogitsPipeline
+from hf_sparsespec.scheduler import Request
+from hf_sparsespec.stats import RequestStats, SparseSpecStats
+from hf_sparsespec.validation import check_model_supported
+
+logger = logging.getLogger(__name__)
+
+_MODEL_KWARGS_WE_HANDLE = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "logits_to_keep"}
+
+
+@dataclass
+class SparseSpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the acceptance statistics of the call."""
+
+    sparsespec_stats: SparseSpecStats | None = None
+
+
+@dataclass
+class SparseSpecResult:
+    """One prompt's outcome from `generate_batch`."""
+
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    finish_reason: str  # "eos", "length" or "stop_criteria"
+    stats: RequestStats
+
+
+# --- refusals -------------------------------------------------------------------------------------
+def check_generation_config(generation_config: GenerationConfig) -> None:
+    """NotImplementedError for every decoding option SparseSpec does not run exactly."""
+    gc = generation_config
+    refusals = {
+        "num_beams > 1 (beam search)": (gc.num_beams or 1) > 1,
+        "num_beam_groups > 1 (group beam search)": (getattr(gc, "num_beam_groups", 1) or 1) > 1,
+        "penalty_alpha (contrastive search)": bool(gc.penalty_alpha) and (gc.top_k or 0) > 1,
+        "dola_layers (DoLa decoding)": getattr(gc, "dola_layers", None) is not None,
+        "constraints / force_words_ids (constrained beam search)": bool(
+            getattr(gc, "constraints", None) or getattr(gc, "force_words_ids", None)
+        ),
+        "prompt_lookup_num_tokens (prompt-lookup decoding)": getattr(gc, "prompt_lookup_num_tokens", None) is not None,
+        "assistant_early_exit (early-exit assisted decoding)": getattr(gc, "assistant_early_exit", None) is not None,
+        "use_mtp (multi-token-prediction assisted decoding)": bool(getattr(gc, "use_mtp", False)),
+        "guidance_scale != 1 (classifier-free guidance)": gc.guidance_scale is not None and gc.guidance_scale != 1,
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise NotImplementedError(
+                f"generation_strategy='sparsespec' does not support {what}: SparseSpec drafts with the model "
+                "itself and verifies one sequence per request"
+            )
+    if gc.return_dict_in_generate:
+        for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            if getattr(gc, flag, False):
+                raise NotImplementedError(
+                    f"generation_strategy='sparsespec' does not return {flag.removeprefix('output_')}: "
+                    "verification computes them for whole draft blocks; ask without it"
+                )
+
+
+def _generate_call_arguments() -> dict:
+    """`streamer` and `assistant_model` of the `GenerationMixin.generate` call that invoked us.
+
+    transformers drops both before calling a `custom_generate` callable; without them a streamer
+    would never be ended and an assistant model would be silently ignored.
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("self"), GenerationMixin):
+            return {name: frame.f_locals.get(name) for name in ("streamer", "assistant_model")}
+        frame = frame.f_back
+    return {}
+
+
+def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set[int], list]:
+    eos_ids: set[int] = set()
+    others = []
+    for criterion in criteria or []:
+        if isinstance(criterion, EosTokenCriteria):
+            eos_ids.update(int(t) for t in criterion.eos_token_id.flatten().tolist())
+        elif isinstance(criterion, MaxLengthCriteria):
+            continue  # the length limit is each request's max_new_tokens
+        elif type(criterion).__name__ == "ConfidenceCriteria":
+            raise NotImplementedError("generation_strategy='sparsespec' does not support ConfidenceCriteria")
+        else:
+            others.append(criterion)
+    return eos_ids, others
+
+
+def _run(model, requests, config, pipelines, do_sample, stop_checker, streamer=None, progress=None) -> None:
+    def on_tokens(request: Request, tokens: list[int]) -> None:
+        if streamer is not None:
+            streamer.put(torch.tensor([tokens]))
+
+    def on_finish(request: Request) -> None:
+        if progress is not None:
+            progress.update(1)
+
+    Engine(model, requests, config, pipelines, do_sample, stop_checker, on_tokens, on_finish).run()
+
+
+# --- model.generate(..., custom_generate=generate) --------------------------------------------------
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    generation_config: GenerationConfig | None = None,
+    sparsespec_config: SparseSpecConfig | None = None,
+    sparsespec_streamer=None,
+    **model_kwargs,
+) -> torch.LongTensor | SparseSpecGenerateOutput:
+    """SparseSpec decoding, called by `GenerationMixin.generate` after it prepared its inputs.
+
+    Use `model.generate(..., generation_strategy="sparsespec")` (after `import hf_sparsespec`) or
+    `model.generate(..., custom_generate=hf_sparsespec.generate)`; options go in
+    `sparsespec_config=SparseSpecConfig(...)`. Returns what `generate` returns; with
+    `return_dict_in_generate=True` the output also carries `sparsespec_stats`.
+    """
+    config = sparsespec_config if sparsespec_config is not None else SparseSpecConfig()
+    if not isinstance(config, SparseSpecConfig):
+        raise TypeError(f"sparsespec_config must be a SparseSpecConfig, got {type(config).__name__}")
+    caller = _generate_call_arguments()
+    if caller.get("assistant_model") is not None:
+        raise NotImplementedError(
+            "generation_strategy='sparsespec' drafts with the model itself; it does not take an assistant_model"
+        )
+    streamer = sparsespec_streamer if sparsespec_streamer is not None else caller.get("streamer")
+    generation_config = generation_config if generation_config is not None else model.generation_config
+    check_generation_config(generation_config)
+    unsupported = sorted(set(model_kwargs) - _MODEL_KWARGS_WE_HANDLE)
+    if unsupported:
+        raise NotImplementedError(f"generation_strategy='sparsespec' does not support the model inputs {unsupported}")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise NotImplementedError("generation_strategy='sparsespec' cannot continue from a filled past_key_values cache")
+    if input_ids.dim() != 2:
+        raise ValueError(f"expected input_ids of shape [batch, length], got {tuple(input_ids.shape)}")
+    batch_size, input_len = input_ids.shape
+    if streamer is not None and batch_size > 1:
+        raise NotImplementedError(f"streaming supports one sequence at a time, got a batch of {batch_size}")
+    max_new_tokens = generation_config.max_length - input_len
+    if max_new_tokens < 1:
+        raise ValueError(f"max_length ({generation_config.max_length}) leaves no room after {input_len} input tokens")
+    check_model_supported(model, input_len + max_new_tokens)
+    requests = _requests_from_batch(input_ids, model_kwargs.get("attention_mask"), max_new_tokens)
+    eos_ids, criteria = _split_stopping_criteria(stopping_criteria)
+    stop_checker = StopChecker(eos_ids, criteria, input_ids.device)
+    pipelines = [LogitsPipeline(logits_processor if logits_processor is not None else [])]
+    try:
+        _run(model, requests, config, pipelines, bool(generation_config.do_sample), stop_checker, streamer)
+    finally:
+        if streamer is not None:
+            streamer.end()
+    pad = _pad_token(generation_config, eos_ids)
+    width = max(len(r.generated) for r in requests)
+    generated = torch.full((batch_size, width), pad, dtype=input_ids.dtype)
+    for row, request in enumerate(requests):
+        generated[row, : len(request.generated)] = torch.tensor(request.generated, dtype=input_ids.dtype)
+    sequences = torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests])
+    return SparseSpecGenerateOutput(sequences=sequences, sparsespec_stats=stats)
+
+
+def _requests_from_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int):
+    rows = input_ids.tolist()
+    if attention_mask is None:
+        masks = [[1] * len(row) for row in rows]
+    else:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"expected attention_mask of shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+            )
+        masks = attention_mask.tolist()
+    requests = []
+    for index, (row, mask) in enumerate(zip(rows, masks)):
+        num_pad = len(mask) - sum(1 for m in mask if m)
+        if any(mask[:num_pad]) or not all(mask[num_pad:]):
+            raise ValueError(
+                f"row {index} of attention_mask is not left-padded (zeros first, then ones); "
+                "decoder-only generation needs padding_side='left'"
+            )
+        if num_pad == len(row):
+            raise ValueError(f"row {index} of the batch is all padding")
+        requests.append(Request(index, row[num_pad:], max_new_tokens, padding=row[:num_pad]))
+    return requests
+
+
+def _pad_token(generation_config: GenerationConfig, eos_ids: set[int]) -> int:
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is not None:
+        return int(pad.flatten()[0])
+    if generation_config.pad_token_id is not None:
+        return int(generation_config.pad_token_id)
+    return min(eos_ids) if eos_ids else 0
+
+
+# --- generate_batch --------------------------------------------------------------------------------
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig | None = None,
+    sparsespec_config: SparseSpecConfig | None = None,
+    progress_bar: bool = False,
+) -> list[SparseSpecResult]:
+    """Decode ragged prompts (lists of token ids, no padding) with SparseSpec; one result per prompt.
+
+    `generation_config` works as in `generate` (do_sample, temperature, top_k, top_p, repetition
+    penalty, eos_token_id, max_new_tokens, ...); without one, the model's own applies.
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("expected a non-empty list of prompts (lists of token ids)")
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(f"prompt {index} must be a non-empty list of token ids, got {prompt!r:.80}")
+    config = sparsespec_config if sparsespec_config is not None else SparseSpecConfig()
+    if not isinstance(config, SparseSpecConfig):
+        raise TypeError(f"sparsespec_config must be a SparseSpecConfig, got {type(config).__name__}")
+    generation_config, _ = model._prepare_generation_config(generation_config)
+    check_generation_config(generation_config)
+    if generation_config.stop_strings:
+        raise NotImplementedError("generate_batch takes no tokenizer, so it cannot stop on stop_strings")
+    device = next(model.parameters()).device
+    model._prepare_special_tokens(generation_config, True, device=device)
+    eos = generation_config._eos_token_tensor
+    eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
+
+    requests, pipelines, group_of_length = [], [], {}
+    for index, prompt in enumerate(prompts):
+        length = len(prompt)
+        if generation_config.max_new_tokens is not None:
+            max_new_tokens = generation_config.max_new_tokens
+        else:
+            max_new_tokens = generation_config.max_length - length
+        if max_new_tokens < 1:
+            raise ValueError(f"prompt {index} ({length} tokens) leaves no room under max_length {generation_config.max_length}")
+        if length not in group_of_length:  # length-dependent processors (min_new_tokens, ...) per length
+            per_length = generation_config.__class__.from_dict(generation_config.to_dict())
+            per_length._eos_token_tensor = generation_config._eos_token_tensor
+            per_length._pad_token_tensor = generation_config._pad_token_tensor
+            per_length._bos_token_tensor = getattr(generation_config, "_bos_token_tensor", None)
+            per_length._decoder_start_token_tensor = getattr(generation_config, "_decoder_start_token_tensor", None)
+            per_length.max_length = length + max_new_tokens
+            processors = model._get_logits_processor(
+                generation_config=per_length,
+                input_ids_seq_length=length,
+                encoder_input_ids=torch.tensor([prompt], device=device),
+                prefix_allowed_tokens_fn=None,
+                logits_processor=LogitsProcessorList(),
+                device=device,
+                model_kwargs={},
+            )
+            group_of_length[length] = len(pipelines)
+            pipelines.append(LogitsPipeline(processors))
+        requests.append(Request(index, list(prompt), max_new_tokens, processor_group=group_of_length[length]))
+    check_model_supported(model, max(r.max_total_len for r in requests))
+    progress = None
+    if progress_bar:
+        from transformers.utils.logging import tqdm
+
+        progress = tqdm(total=len(requests), desc="SparseSpec", unit="request")
+    try:
+        _run(model, requests, config, pipelines, bool(generation_config.do_sample), StopChecker(eos_ids, [], device),
+             progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    return [SparseSpecResult(r.prompt, r.generated, r.finish_reason, r.stats) for r in requests]

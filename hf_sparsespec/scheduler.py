@@ -1,0 +1,255 @@
+"""Requests, their cycle, and the unified scheduler that decides what every iteration runs.
+
+A request's life: WAITING -> PREFILL (one or more chunks) -> a cycle repeated until it stops:
+
+    DRAFT x m  (one token per iteration, sparse attention; m = k, or fewer in the first cycle and
+                near the length limit)
+    VERIFY     (the last committed token + the m drafts, full attention; PillarAttn selects keys)
+    AWAIT      (the host has not read the verification yet: with delayed verification the request
+                sits the next iteration out; otherwise the result is read at once)
+
+Host-side truth (the invariant this module owns): `num_committed` is the number of committed tokens
+(prompt + generated, the token sampled at the end of prefill included) as the host will know them
+once it has read every launched result; the KV of positions `0 .. num_committed - 2` is exact; the
+drafts of the current cycle occupy positions from `num_committed - 1` on. Token *values* of drafts
+live only on the device.
+
+Unified scheduling: every active request advances one phase per iteration, so each iteration runs
+about k/(k+1) of the requests as 1-token sparse drafts and 1/(k+1) as (k+1)-token verifications.
+A new request joins the phase bucket that verifies least often, by drafting fewer tokens in its first
+cycle. The `naive` policy joins the fullest bucket instead, so all requests run in lockstep.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from hf_sparsespec.cache.page_allocator import PageAllocator
+from hf_sparsespec.config import SparseSpecConfig
+from hf_sparsespec.stats import RequestStats
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DRAFT = "draft"
+    VERIFY = "verify"
+    AWAIT = "await"
+    FINISHED = "finished"
+
+
+class RowKind(enum.IntEnum):
+    PREFILL = 0
+    VERIFY = 1
+    DRAFT = 2
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt being decoded.
+
+    `padding` are tokens before position 0 in the request's token history (the left padding of a
+    `generate` batch row): logits processors and stopping criteria see them, the model does not.
+    """
+
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    padding: list[int] = field(default_factory=list)
+    processor_group: int = 0  # index of the logits-processor list that applies to this request
+    # --- host-side state ---
+    phase: Phase = Phase.WAITING
+    slot: int = -1
+    num_prefilled: int = 0
+    num_committed: int = 0
+    generated: list[int] = field(default_factory=list)
+    cycle_drafts: int = 0  # m: drafts of the current cycle
+    drafts_done: int = 0
+    recent_start: int = 0  # first position of the recent window (0 before the first verification)
+    num_selected: int = 0  # selected keys per (layer, KV head) for the current cycle's drafts
+    pending_budget: int = 0  # selection size the in-flight verification produces
+    verify_iteration: int = -1  # iteration of the next (or last) verification, for bucket accounting
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def history_offset(self) -> int:
+        return len(self.padding)
+
+    @property
+    def max_total_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+
+@dataclass
+class ScheduledRow:
+    """One request's work in one iteration: `num_tokens` query tokens at positions
+    `first_position .. first_position + num_tokens - 1`."""
+
+    request: Request
+    kind: RowKind
+    first_position: int
+    num_tokens: int
+    samples: bool  # whether the row's logits are sampled (not for non-final prefill chunks)
+    draft_index: int = 0  # 1-based draft step of a DRAFT row
+    budget: int = 0  # VERIFY: keys the selection keeps for the next cycle
+
+    @property
+    def context_len(self) -> int:
+        return self.first_position + self.num_tokens
+
+
+class Scheduler:
+    """Admission, phases and row selection. Pure host bookkeeping; the engine executes the rows."""
+
+    def __init__(self, config: SparseSpecConfig, allocator: PageAllocator, num_slots: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.k = config.num_draft_tokens
+        # iterations per cycle in steady state: k drafts, one verification, one await when delayed
+        self.cycle_length = self.k + 1 + (1 if config.delayed_verification else 0)
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self.iteration = 0  # index of the iteration being scheduled next
+
+    def reservation(self, request: Request) -> int:
+        """Positions a request may ever write: its full length plus one speculative block."""
+        return request.max_total_len + self.k + 1
+
+    def add(self, request: Request) -> None:
+        needed = self.allocator.pages_for(self.reservation(request))
+        if needed > self.allocator.num_pages:
+            raise ValueError(
+                f"request {request.request_id} needs {needed} KV pages ({request.prompt_len} prompt + "
+                f"{request.max_new_tokens} new tokens), the pool has {self.allocator.num_pages}; "
+                "raise SparseSpecConfig.num_pages or gpu_memory_fraction"
+            )
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    # --- one iteration ------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledRow]:
+        """Rows of the next iteration, ordered prefill, verify, draft (the attention relies on it)."""
+        prefill_rows: list[ScheduledRow] = []
+        verify_rows: list[ScheduledRow] = []
+        draft_rows: list[ScheduledRow] = []
+        prefill_budget = self.config.prefill_chunk_size
+        for request in self.active:
+            if request.phase is Phase.DRAFT:
+                draft_rows.append(self._draft_row(request))
+            elif request.phase is Phase.VERIFY:
+                verify_rows.append(self._verify_row(request))
+            elif request.phase is Phase.PREFILL and prefill_budget > 0:
+                row = self._prefill_row(request, prefill_budget)
+                prefill_budget -= row.num_tokens
+                prefill_rows.append(row)
+        while self.waiting and self.free_slots and prefill_budget > 0:
+            request = self.waiting[0]
+            if not self.allocator.can_reserve(self.reservation(request)):
+                break
+            self.waiting.popleft()
+            self._admit(request)
+            row = self._prefill_row(request, prefill_budget)
+            prefill_budget -= row.num_tokens
+            prefill_rows.append(row)
+        rows = prefill_rows + verify_rows + draft_rows
+        if rows:
+            self.iteration += 1
+        return rows
+
+    def _admit(self, request: Request) -> None:
+        request.slot = self.free_slots.pop()
+        request.phase = Phase.PREFILL
+        self.allocator.reserve(request.request_id, self.reservation(request))
+        self.active.append(request)
+
+    def _prefill_row(self, request: Request, budget: int) -> ScheduledRow:
+        start = request.num_prefilled
+        num_tokens = min(request.prompt_len - start, budget)
+        request.num_prefilled += num_tokens
+        final = request.num_prefilled == request.prompt_len
+        self.allocator.ensure(request.request_id, start + num_tokens)
+        if final:
+            # the first generated token is sampled now; the host reads its value later
+            request.num_committed = request.prompt_len + 1
+            if request.max_new_tokens <= 1:
+                request.phase = Phase.AWAIT
+            else:
+                self.start_cycle(request, self.iteration + 1, first=True)
+        return ScheduledRow(request, RowKind.PREFILL, start, num_tokens, samples=final)
+
+    def _draft_row(self, request: Request) -> ScheduledRow:
+        request.drafts_done += 1
+        position = request.num_committed - 2 + request.drafts_done
+        self.allocator.ensure(request.request_id, position + 1)
+        if request.drafts_done == request.cycle_drafts:
+            request.phase = Phase.VERIFY
+        return ScheduledRow(request, RowKind.DRAFT, position, 1, samples=True, draft_index=request.drafts_done)
+
+    def _verify_row(self, request: Request) -> ScheduledRow:
+        first = request.num_committed - 1
+        row = ScheduledRow(request, RowKind.VERIFY, first, request.cycle_drafts + 1, samples=True)
+        self.allocator.ensure(request.request_id, row.context_len)
+        row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
+        request.pending_budget = row.budget
+        request.verify_iteration = self.iteration
+        request.phase = Phase.AWAIT
+        return row
+
+    # --- cycles and buckets --------------------------------------------------------------------
+    def start_cycle(self, request: Request, first_draft_iteration: int, first: bool = False) -> None:
+        """Begin drafting at `first_draft_iteration`. A cycle commits at most m + 1 tokens, so m stays
+        below what the request may still commit; the first cycle's m also picks the phase bucket."""
+        remaining = request.max_total_len - request.num_committed
+        limit = max(min(self.k, remaining - 1), 0)
+        drafts = self._first_cycle_drafts(limit, first_draft_iteration) if first else limit
+        request.cycle_drafts = drafts
+        request.drafts_done = 0
+        request.phase = Phase.DRAFT if drafts > 0 else Phase.VERIFY
+        request.verify_iteration = first_draft_iteration + drafts
+
+    def _first_cycle_drafts(self, limit: int, first_draft_iteration: int) -> int:
+        residues = Counter(
+            r.verify_iteration % self.cycle_length
+            for r in self.active
+            if r.phase in (Phase.DRAFT, Phase.VERIFY, Phase.AWAIT) and r.verify_iteration >= 0
+        )
+        candidates = range(limit, -1, -1)  # ties go to more drafts
+
+        def load(drafts: int) -> int:
+            return residues[(first_draft_iteration + drafts) % self.cycle_length]
+
+        if self.config.scheduler == "naive":
+            return max(candidates, key=load)
+        return min(candidates, key=load)
+
+    # --- results --------------------------------------------------------------------------------
+    def commit_verification(self, request: Request, kept: int) -> None:
+        """The host read a verification: `kept` tokens (accepted drafts + one) were committed. The
+        next cycle drafts from the selection the verification made, over the window it opened."""
+        first = request.num_committed - 1
+        request.num_committed += kept
+        request.recent_start = 0 if self.config.selection == "dense" else first
+        request.num_selected = request.pending_budget
+        self.allocator.truncate(request.request_id, request.num_committed - 1)
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.phase = Phase.FINISHED
+        request.finish_reason = reason
+        self.allocator.free(request.request_id)
+        self.active.remove(request)
+        self.free_slots.append(request.slot)
