@@ -51,6 +51,7 @@ class SampleRows:
     row_slots: list[int]  # per logits row: request slot
     prefix_lens: list[int]  # per logits row: history length its distribution conditions on
     groups: list[int]  # per logits row: processor group
+    batch_rows: list[int]  # per logits row: the request's row in the batch its processors were built for
     prefill: list[int]  # logits rows of final prefill chunks
     prefill_write: list[int]  # flat token_buffer index of each first token
     draft: list[int]  # logits rows of drafts
@@ -170,7 +171,7 @@ class Engine:
         query_start, context_lens, tables = [0], [], []
         recent_start, selection_slot, num_selected = [], [], []
         verify_slots, num_old_keys, budgets = [], [], []
-        s = SampleRows([], [], [], [], [], [], [], [], [], [], [])
+        s = SampleRows(*([] for _ in range(12)))
         for row in rows:
             request = row.request
             base = request.slot * width + request.history_offset
@@ -203,6 +204,7 @@ class Engine:
                 s.row_slots.append(request.slot)
                 s.prefix_lens.append(request.history_offset + positions[token] + 1)
                 s.groups.append(request.processor_group)
+                s.batch_rows.append(request.batch_row)
             if row.kind is RowKind.PREFILL:
                 s.prefill += logits_rows
                 s.prefill_write.append(base + row.context_len)
@@ -289,14 +291,18 @@ class Engine:
     # --- sample and accept (device) -------------------------------------------------------------
     def _process_logits(self, s: SampleRows, logits: torch.Tensor) -> torch.Tensor:
         if len(self.pipelines) == 1:
-            return self.pipelines[0](logits, self.token_buffer, s.row_slots, s.prefix_lens)
+            return self.pipelines[0](logits, self.token_buffer, s.row_slots, s.prefix_lens, s.batch_rows)
         scores = logits.clone()
         for group, pipeline in enumerate(self.pipelines):
             rows = [i for i, g in enumerate(s.groups) if g == group]
             if rows:
                 index = torch.tensor(rows, device=self.device)
                 scores[index] = pipeline(
-                    logits[index], self.token_buffer, [s.row_slots[i] for i in rows], [s.prefix_lens[i] for i in rows]
+                    logits[index],
+                    self.token_buffer,
+                    [s.row_slots[i] for i in rows],
+                    [s.prefix_lens[i] for i in rows],
+                    [s.batch_rows[i] for i in rows],
                 )
         return scores
 
@@ -323,12 +329,16 @@ class Engine:
             host_parts.append(self._accept(s, tokens, probs).flatten())
         if s.draft:
             draft_rows = index(s.draft)
-            flat_tokens[index(s.draft_write)] = tokens[draft_rows]
-            if probs is not None:
-                self.draft_probs[index(s.draft_prob_index)] = probs[draft_rows]
+            self._store_drafts(s, tokens[draft_rows], None if probs is None else probs[draft_rows])
         values = torch.cat(host_parts) if host_parts else torch.zeros(0, dtype=torch.long, device=device)
         host, ready = self.reader.start(values)
         return StepOutputs(rows, host, ready)
+
+    def _store_drafts(self, s: SampleRows, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+        """Keep this iteration's drafts (and their processed probabilities) for the verification."""
+        self.token_buffer.view(-1)[torch.tensor(s.draft_write, device=self.device)] = draft_tokens
+        if draft_probs is not None:
+            self.draft_probs[torch.tensor(s.draft_prob_index, device=self.device)] = draft_probs
 
     def _accept(self, s: SampleRows, tokens: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
         """Accept/reject every verification row at once: `[num_verify, k + 2]` = [accepted, drafts, next]."""

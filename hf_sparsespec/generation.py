@@ -208,7 +208,7 @@ def _requests_from_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor |
             )
         if num_pad == len(row):
             raise ValueError(f"row {index} of the batch is all padding")
-        requests.append(Request(index, row[num_pad:], max_new_tokens, padding=row[:num_pad]))
+        requests.append(Request(index, row[num_pad:], max_new_tokens, padding=row[:num_pad], batch_row=index))
     return requests
 
 

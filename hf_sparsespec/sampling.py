@@ -87,23 +87,24 @@ class LogitsPipeline:
         token_buffer: torch.Tensor,  # [num_slots, history_width] int64, every request's token history
         row_slots: list[int],  # per row: the request's slot in `token_buffer`
         row_prefix_lens: list[int],  # per row: history length the row's logits condition on
+        row_batch_index: list[int],  # per row: the request's row in the batch the processors were built for
     ) -> torch.Tensor:
         if not self.steps:
             return scores
-        groups = self._prefix_groups(token_buffer, row_slots, row_prefix_lens) if self.needs_prefix else []
+        groups = self._prefix_groups(token_buffer, row_slots, row_prefix_lens, row_batch_index) if self.needs_prefix else []
         empty = scores.new_empty((scores.shape[0], 0), dtype=torch.long)
         for processor, kind in self.steps:
             if kind == "row":
                 scores = processor(empty, scores)
                 continue
             processed = scores.clone()
-            for rows, prefixes in groups:
-                processed[rows] = processor(prefixes, scores[rows])
+            for rows, prefixes, batch_index in groups:
+                processed[rows] = _for_batch_rows(processor, batch_index)(prefixes, scores[rows])
             scores = processed
         return scores
 
     @staticmethod
-    def _prefix_groups(token_buffer, row_slots, row_prefix_lens) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _prefix_groups(token_buffer, row_slots, row_prefix_lens, row_batch_index) -> list[tuple]:
         by_length: dict[int, list[int]] = {}
         for row, length in enumerate(row_prefix_lens):
             by_length.setdefault(length, []).append(row)
@@ -111,8 +112,19 @@ class LogitsPipeline:
         groups = []
         for length, rows in by_length.items():
             slots = torch.tensor([row_slots[r] for r in rows], device=device)
-            groups.append((torch.tensor(rows, device=device), token_buffer[slots, :length]))
+            batch_index = torch.tensor([row_batch_index[r] for r in rows], device=device)
+            groups.append((torch.tensor(rows, device=device), token_buffer[slots, :length], batch_index))
         return groups
+
+
+def _for_batch_rows(processor, batch_index: torch.Tensor):
+    """The processor as it applies to the given rows of the batch it was built for: processors that
+    hold per-row state (the repetition penalty's per-row padding lengths, transformers >= 5.2x) get
+    that state sliced to the rows at hand."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if isinstance(ignore, torch.Tensor) and isinstance(processor, lp.RepetitionPenaltyLogitsProcessor):
+        return lp.RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=ignore.to(batch_index.device)[batch_index])
+    return processor
 
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:

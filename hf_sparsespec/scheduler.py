@@ -59,6 +59,7 @@ class Request:
     max_new_tokens: int
     padding: list[int] = field(default_factory=list)
     processor_group: int = 0  # index of the logits-processor list that applies to this request
+    batch_row: int = 0  # the request's row in the batch its logits processors were built for
     # --- host-side state ---
     phase: Phase = Phase.WAITING
     slot: int = -1

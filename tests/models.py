@@ -1,0 +1,94 @@
+"""Tiny random decoder models of every supported architecture, and the greedy-equality check."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    kwargs = {**COMMON, **overrides}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=None, **kwargs))
+    elif arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **kwargs)
+        )
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+def ragged_batch(lengths: list[int], seed: int = 0, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of random prompts of the given lengths: (input_ids, attention_mask)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(1, VOCAB, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def assert_greedy_equal(
+    model: torch.nn.Module,
+    expected: torch.Tensor,
+    actual: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    tie_tolerance: float = 1e-4,
+) -> int:
+    """Sequences equal token for token, except after a position where plain decoding's top-2 logits
+    are within `tie_tolerance` (a numeric tie). Returns the number of rows that diverged at a tie."""
+    assert expected.shape[0] == actual.shape[0]
+    ties = 0
+    for row in range(expected.shape[0]):
+        exp, act = expected[row].tolist(), actual[row].tolist()
+        if exp == act:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(exp, act)) if a != b), min(len(exp), len(act)))
+        num_pad = 0 if attention_mask is None else int((attention_mask[row] == 0).sum())
+        prefix = torch.tensor([exp[num_pad:first]])
+        with torch.no_grad():
+            logits = model(input_ids=prefix).logits[0, -1]
+        top2 = logits.topk(2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < tie_tolerance, (
+            f"row {row} diverges at position {first} where plain decoding has a top-2 gap of {gap:.2e} "
+            f"(not a numeric tie)\nexpected {exp[first:first + 8]}\nactual   {act[first:first + 8]}"
+        )
+        ties += 1
+    return ties

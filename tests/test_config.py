@@ -1,0 +1,53 @@
+"""SparseSpecConfig validates every field at construction, naming field, expected range and value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hf_sparsespec import SparseSpecConfig
+
+
+def test_defaults():
+    config = SparseSpecConfig()
+    assert (config.num_draft_tokens, config.budget_ratio, config.scheduler) == (8, 0.05, "unified")
+    assert config.budget(100) == config.min_budget
+    assert config.budget(100_000) == 5000
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_draft_tokens", 0, r"num_draft_tokens must be in \[1, 64\], got 0"),
+        ("num_draft_tokens", 2.5, r"num_draft_tokens must be an int, got float 2.5"),
+        ("num_draft_tokens", True, r"num_draft_tokens must be an int"),
+        ("budget_ratio", 0.0, r"budget_ratio must be in \(0, 1\], got 0.0"),
+        ("budget_ratio", 1.5, r"budget_ratio must be in \(0, 1\], got 1.5"),
+        ("budget_ratio", float("nan"), r"budget_ratio must be in \(0, 1\], got nan"),
+        ("budget_ratio", "0.1", r"budget_ratio must be a float, got '0.1'"),
+        ("min_budget", 0, r"min_budget must be >= 1, got 0"),
+        ("scheduler", "lockstep", r"scheduler must be one of \('unified', 'naive'\), got 'lockstep'"),
+        ("selection", "oracle", r"selection must be one of \('pillar', 'streaming', 'dense'\), got 'oracle'"),
+        ("page_size", 0, r"page_size must be in \[1, 4096\], got 0"),
+        ("max_num_requests", -3, r"max_num_requests must be >= 1, got -3"),
+        ("num_pages", 0, r"num_pages must be >= 1, got 0"),
+        ("gpu_memory_fraction", 1.2, r"gpu_memory_fraction must be in \(0, 1\], got 1.2"),
+        ("prefill_chunk_size", 0, r"prefill_chunk_size must be >= 1, got 0"),
+        ("backend", "cuda", r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
+        ("delayed_verification", "yes", r"delayed_verification must be a bool, got 'yes'"),
+    ],
+)
+def test_invalid_values_name_field_range_and_value(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SparseSpecConfig(**{field: value})
+
+
+def test_streaming_sinks_must_fit_the_budget():
+    with pytest.raises(ValueError, match=r"num_sink_tokens must be < min_budget \(4\) for the streaming selection, got 4"):
+        SparseSpecConfig(selection="streaming", min_budget=4, num_sink_tokens=4)
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SparseSpecConfig().num_draft_tokens = 4

@@ -1,0 +1,132 @@
+"""Greedy SparseSpec decoding equals plain `generate(do_sample=False)` token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import assert_greedy_equal, ragged_batch, tiny_model
+
+import hf_sparsespec
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.engine import Engine
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
+
+
+def sparsespec(model, ids, mask, max_new_tokens, config, **kwargs):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        generation_strategy="sparsespec",
+        sparsespec_config=config,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "config",
+    [
+        SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4),
+        SparseSpecConfig(num_draft_tokens=8, min_budget=16, budget_ratio=0.2, page_size=16),
+        SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=1, selection="streaming", num_sink_tokens=1),
+        SparseSpecConfig(num_draft_tokens=5, min_budget=8, page_size=8, scheduler="naive", delayed_verification=False),
+    ],
+    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync"],
+)
+def test_ragged_batch_matches_plain_generate(arch, config):
+    model = tiny_model(arch)
+    ids, mask = ragged_batch([9, 3, 14, 6])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    out = sparsespec(model, ids, mask, 40, config)
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    total = out.sparsespec_stats.total
+    assert total.cycles > 0 and total.accepted_drafts < total.drafted_tokens  # sparse drafts were rejected
+
+
+def test_dense_drafting_accepts_every_draft():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([5, 11, 8])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=50, do_sample=False)
+    out = sparsespec(model, ids, mask, 50, SparseSpecConfig(num_draft_tokens=6, selection="dense", page_size=4))
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    total = out.sparsespec_stats.total
+    assert total.accepted_drafts == total.drafted_tokens > 0
+
+
+def test_rejecting_every_draft_rolls_back_exactly(monkeypatch):
+    """Corrupt every draft: each cycle commits only the target's token, and the KV the drafts wrote
+    must be overwritten/rolled back for the output to stay exact."""
+    vocab = 96
+    original = Engine._store_drafts
+
+    def wrong_drafts(self, s, tokens, probs):
+        original(self, s, (tokens + 1) % vocab, probs)
+
+    monkeypatch.setattr(Engine, "_store_drafts", wrong_drafts)
+    model = tiny_model("qwen2")
+    ids, mask = ragged_batch([7, 4])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = sparsespec(model, ids, mask, 30, SparseSpecConfig(num_draft_tokens=4, selection="dense", page_size=4))
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    total = out.sparsespec_stats.total
+    assert total.accepted_drafts == 0 and total.cycles > 0
+    assert total.accepted_histogram[0] == total.cycles
+
+
+def test_eos_inside_a_draft_block_stops_there():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([6, 10, 4], seed=3)
+    free_run = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    generated = free_run[0, ids.shape[1] :].tolist()
+    eos = next(t for i, t in enumerate(generated) if i >= 5 and t not in generated[:i])  # a token first seen mid-run
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    config = SparseSpecConfig(num_draft_tokens=8, selection="dense", page_size=4)
+    out = sparsespec(model, ids, mask, 40, config, eos_token_id=eos)
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sequences.shape == expected.shape
+    row0 = out.sequences[0, ids.shape[1] :].tolist()
+    assert eos in row0 and all(t == model.generation_config.pad_token_id for t in row0[row0.index(eos) + 1 :])
+
+
+def test_custom_generate_without_the_wrapper():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([5, 8])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, custom_generate=hf_sparsespec.generate
+    )
+    assert isinstance(out, torch.Tensor)
+    assert_greedy_equal(model, expected, out, mask)
+
+
+def test_no_attention_mask_and_max_length():
+    model = tiny_model("qwen3")
+    ids = torch.randint(1, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(input_ids=ids, max_length=40, do_sample=False)
+    out = model.generate(input_ids=ids, max_length=40, do_sample=False, generation_strategy="sparsespec")
+    assert out.shape == expected.shape == (1, 40)
+    assert_greedy_equal(model, expected, out)
+
+
+def test_history_dependent_processors_see_the_right_prefix():
+    """Repetition penalty and no-repeat-ngram read each row's history at every draft/verify position."""
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([6, 9], seed=5)
+    kwargs = dict(max_new_tokens=40, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, generation_strategy="sparsespec", sparsespec_config=config, **kwargs
+    )
+    assert_greedy_equal(model, expected, out, mask)
+
+
+def test_model_attention_is_restored():
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=5, generation_strategy="sparsespec")
+    assert model.config._attn_implementation == before
