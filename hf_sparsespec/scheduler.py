@@ -123,6 +123,14 @@ class Scheduler:
         self.active: list[Request] = []
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.iteration = 0  # index of the iteration being scheduled next
+        self.verify_residues: Counter[int] = Counter()  # active requests per verify iteration mod cycle
+
+    def _set_verify_iteration(self, request: Request, iteration: int) -> None:
+        if request.verify_iteration >= 0:
+            self.verify_residues[request.verify_iteration % self.cycle_length] -= 1
+        request.verify_iteration = iteration
+        if iteration >= 0:
+            self.verify_residues[iteration % self.cycle_length] += 1
 
     def reservation(self, request: Request) -> int:
         """Positions a request may ever write: its full length plus one speculative block."""
@@ -207,7 +215,7 @@ class Scheduler:
         self.allocator.ensure(request.request_id, row.context_len)
         row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
         request.pending_budget = row.budget
-        request.verify_iteration = self.iteration
+        self._set_verify_iteration(request, self.iteration)
         request.phase = Phase.AWAIT
         return row
 
@@ -221,14 +229,10 @@ class Scheduler:
         request.cycle_drafts = drafts
         request.drafts_done = 0
         request.phase = Phase.DRAFT if drafts > 0 else Phase.VERIFY
-        request.verify_iteration = first_draft_iteration + drafts
+        self._set_verify_iteration(request, first_draft_iteration + drafts)
 
     def _first_cycle_drafts(self, limit: int, first_draft_iteration: int) -> int:
-        residues = Counter(
-            r.verify_iteration % self.cycle_length
-            for r in self.active
-            if r.phase in (Phase.DRAFT, Phase.VERIFY, Phase.AWAIT) and r.verify_iteration >= 0
-        )
+        residues = self.verify_residues
         candidates = range(limit, -1, -1)  # ties go to more drafts
 
         def load(drafts: int) -> int:
@@ -249,6 +253,7 @@ class Scheduler:
         self.allocator.truncate(request.request_id, request.num_committed - 1)
 
     def finish(self, request: Request, reason: str) -> None:
+        self._set_verify_iteration(request, -1)
         request.phase = Phase.FINISHED
         request.finish_reason = reason
         self.allocator.free(request.request_id)

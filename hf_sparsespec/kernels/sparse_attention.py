@@ -4,13 +4,30 @@ Row `r` (a draft step) attends, for KV head `h`, the positions
 `selected[selection_slot[r], h, :num_selected[r]]` (all older than `recent_start[r]`) and every
 position in `recent_start[r] .. context_lens[r] - 1` (everything written since the last
 verification, the current token included). A row with `recent_start = 0, num_selected = 0` is dense.
+
+Triton: one program per (work item, KV head); a row's key list (selected, then recent) is split into
+chunks of about equal size over the programs (`attention_plan.py`) and merged by `merge_splits`, so a
+batch of 64-256 rows with only 2-3 KV heads still fills the GPU. The tile packs the GQA group's query
+heads (padded to 16 rows for `tl.dot`).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from hf_sparsespec.kernels._attention_tile import (
+    LOG2E,
+    _attend_tile,
+    _store_tile,
+    dot_precision,
+    launch_config,
+    merge_splits,
+)
+from hf_sparsespec.kernels._checks import INDEX, check_cache_pair, check_query_heads, check_tensor, last_dim_contiguous
 from hf_sparsespec.kernels._paging import gather_positions
+from hf_sparsespec.kernels.attention_plan import AttentionPlan, plan_attention
 
 
 def sparse_draft_attention_ref(
@@ -39,6 +56,210 @@ def sparse_draft_attention_ref(
         k = gather_positions(k_cache, page_table[row], positions).float()  # [kvh, n, d]
         v = gather_positions(v_cache, page_table[row], positions).float()
         q = query[row].float().view(num_kv_heads, group, head_dim)
-        probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, k) * scale, dim=-1)
+        logits = torch.einsum("hgd,hnd->hgn", q, k) * scale
+        # exp/sum rather than torch.softmax: on CPU, softmax of tiny tensors between other ops wakes the
+        # OpenMP pool every call (~0.4 ms each with 2 threads), which dominated the reference backend
+        probs = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
         out[row] = torch.einsum("hgn,hnd->hgd", probs, v).reshape(num_q_heads, head_dim).to(query.dtype)
+    return out
+
+
+@triton.jit
+def _draft_item(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
+    page_table_ptr,  # [num_rows, max_pages] int32
+    context_lens_ptr,  # [num_rows] int32
+    recent_start_ptr,  # [num_rows] int32
+    selected_ptr,  # [num_slots, num_kv_heads, max_budget] int32
+    selection_slot_ptr,  # [num_rows] int32
+    num_selected_ptr,  # [num_rows] int32
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    lse_ptr,  # [num_tokens, num_q_heads] fp32
+    part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
+    part_lse_ptr,  # [num_part_rows, num_q_heads] fp32
+    row,
+    token,  # the row's query token
+    key_begin,
+    key_end,
+    part_row,
+    kv_head,
+    stride_q_tok,
+    stride_q_head,
+    stride_cache_page,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_pt_row,
+    stride_sel_slot,
+    stride_sel_head,
+    stride_out_tok,  # out and the partials share these (both allocated contiguous)
+    stride_out_head,
+    stride_lse_tok,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One work item of a draft row: its query against key indices [key_begin, key_end) of its list."""
+    context_len = tl.load(context_lens_ptr + row)
+    recent_start = tl.load(recent_start_ptr + row)
+    slot = tl.load(selection_slot_ptr + row).to(tl.int64)
+    num_sel = tl.load(num_selected_ptr + row)
+    sel_row_ptr = selected_ptr + slot * stride_sel_slot + kv_head * stride_sel_head
+    out, lse = _attend_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr + row.to(tl.int64) * stride_pt_row, sel_row_ptr,
+        stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head,
+        token, 1, context_len - 1, kv_head, key_begin, key_end, num_sel, recent_start, qk_scale,
+        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION,
+    )  # fmt: skip
+    if part_row < 0:
+        _store_tile(
+            out, lse, out_ptr, lse_ptr, stride_out_tok, stride_out_head, stride_lse_tok, token, 1,
+            kv_head, 1, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, STORE_LSE,
+        )  # fmt: skip
+    else:
+        _store_tile(
+            out, lse, part_out_ptr, part_lse_ptr, stride_out_tok, stride_out_head, stride_lse_tok, part_row, 1,
+            kv_head, 0, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, True,
+        )  # fmt: skip
+
+
+@triton.jit
+def _sparse_draft_attention_kernel(
+    q_ptr,  # [num_rows, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
+    page_table_ptr,  # [num_rows, max_pages] int32
+    context_lens_ptr,  # [num_rows] int32
+    recent_start_ptr,  # [num_rows] int32
+    selected_ptr,  # [num_slots, num_kv_heads, max_budget] int32
+    selection_slot_ptr,  # [num_rows] int32
+    num_selected_ptr,  # [num_rows] int32
+    work_ptr,  # [num_work, 5] int32: row, q_begin (0), key_begin, key_end, part_row
+    out_ptr,  # [num_rows, num_q_heads, head_dim]
+    part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
+    part_lse_ptr,  # [num_part_rows, num_q_heads] fp32
+    stride_q_tok,
+    stride_q_head,
+    stride_cache_page,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_pt_row,
+    stride_sel_slot,
+    stride_sel_head,
+    stride_out_tok,
+    stride_out_head,
+    stride_lse_tok,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    row = tl.load(work_ptr + item * 5)
+    key_begin = tl.load(work_ptr + item * 5 + 2)
+    key_end = tl.load(work_ptr + item * 5 + 3)
+    part_row = tl.load(work_ptr + item * 5 + 4)
+    _draft_item(
+        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
+        selection_slot_ptr, num_selected_ptr, out_ptr, part_lse_ptr, part_out_ptr, part_lse_ptr,
+        row, row, key_begin, key_end, part_row, kv_head,
+        stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
+        stride_sel_slot, stride_sel_head, stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
+        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION,
+    )  # fmt: skip
+
+
+def check_draft_rows(
+    num_rows: int,
+    recent_start: torch.Tensor,
+    selected: torch.Tensor,
+    selection_slot: torch.Tensor,
+    num_selected: torch.Tensor,
+    num_kv_heads: int,
+    device: torch.device,
+) -> None:
+    check_tensor("recent_start", recent_start, dtypes=INDEX, device=device, shape=(num_rows,))
+    check_tensor("selected", selected, ndim=3, dtypes=INDEX, device=device, shape=(None, num_kv_heads, None))
+    if selected.stride(-1) != 1:
+        raise ValueError(f"selected: expected a unit-stride last dimension, got strides {selected.stride()}")
+    check_tensor("selection_slot", selection_slot, dtypes=INDEX, device=device, shape=(num_rows,))
+    check_tensor("num_selected", num_selected, dtypes=INDEX, device=device, shape=(num_rows,))
+
+
+def sparse_draft_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    recent_start: torch.Tensor,
+    selected: torch.Tensor,
+    selection_slot: torch.Tensor,
+    num_selected: torch.Tensor,
+    scale: float,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Triton `sparse_draft_attention_ref`.
+
+    Args:
+        query: `[num_rows, num_q_heads, head_dim]` fp16/bf16/fp32, one query per row.
+        k_cache, v_cache: `[num_pages, page_size, num_kv_heads, head_dim]`, query's dtype, same strides.
+        page_table: `[num_rows, max_pages]` int32; context_lens, recent_start: `[num_rows]` int32.
+        selected: `[num_slots, num_kv_heads, max_budget]` int32 positions; selection_slot,
+            num_selected: `[num_rows]` int32.
+        scale: softmax scale.
+        plan: the work decomposition (`plan_attention` with `num_full_rows=0`); None plans here,
+            reading the lengths back to the host (a sync).
+
+    Returns:
+        `out [num_rows, num_q_heads, head_dim]` in query.dtype.
+    """
+    check_cache_pair(k_cache, v_cache)
+    group = check_query_heads(query, k_cache)
+    if query.dtype != k_cache.dtype:
+        raise TypeError(f"query: expected the cache dtype {k_cache.dtype}, got {query.dtype}")
+    device = query.device
+    num_rows, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    check_tensor("page_table", page_table, ndim=2, dtypes=INDEX, device=device, shape=(num_rows, None))
+    check_tensor("context_lens", context_lens, dtypes=INDEX, device=device, shape=(num_rows,))
+    check_draft_rows(num_rows, recent_start, selected, selection_slot, num_selected, num_kv_heads, device)
+    query, page_table = last_dim_contiguous(query), last_dim_contiguous(page_table)
+    if plan is None:
+        plan = plan_attention(
+            list(range(num_rows + 1)), context_lens.tolist(), 0, num_selected.tolist(), recent_start.tolist(),
+            group=group, num_kv_heads=num_kv_heads, device=device,
+        )  # fmt: skip
+    out = torch.empty((num_rows, num_q_heads, head_dim), dtype=query.dtype, device=device)
+    if plan.num_work == 0:
+        return out
+    part_out, part_lse = plan.workspace(num_q_heads, head_dim, device)
+    config = launch_config("draft", head_dim)
+    _sparse_draft_attention_kernel[(plan.num_work, num_kv_heads)](
+        query, k_cache, v_cache, page_table, context_lens, recent_start, selected, selection_slot, num_selected,
+        plan.work, out, part_out, part_lse,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        page_table.stride(0), selected.stride(0), selected.stride(1), out.stride(0), out.stride(1),
+        part_lse.stride(0), scale * LOG2E,
+        GROUP=group, BLOCK_M=plan.block_m_draft, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
+    if plan.num_merge:
+        lse = torch.empty((num_rows, num_q_heads), dtype=torch.float32, device=device)  # draft LSE: unused
+        query_start = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+        merge_splits(plan, part_out, part_lse, query_start, 0, out, lse)
     return out
