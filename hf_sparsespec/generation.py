@@ -144,6 +144,10 @@ def generate(
     config = sparsespec_config if sparsespec_config is not None else SparseSpecConfig()
     if not isinstance(config, SparseSpecConfig):
         raise TypeError(f"sparsespec_config must be a SparseSpecConfig, got {type(config).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"{type(model).__name__} is an encoder-decoder model; hf_sparsespec supports decoder-only models"
+        )
     caller = _generate_call_arguments()
     if caller.get("assistant_model") is not None:
         raise NotImplementedError(

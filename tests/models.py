@@ -42,7 +42,8 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(sliding_window=None, **kwargs))
+        kwargs.setdefault("sliding_window", None)
+        model = MistralForCausalLM(MistralConfig(**kwargs))
     elif arch == "qwen3_moe":
         model = Qwen3MoeForCausalLM(
             Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **kwargs)

@@ -1,0 +1,129 @@
+"""The request-level API, the statistics, streaming and the unified scheduler's balance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_model
+from transformers import GenerationConfig
+
+import hf_sparsespec
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.scheduler import RowKind, Scheduler
+
+PROMPTS = [[5, 17, 3], [9] * 11, [40, 41, 42, 43, 44, 45, 46], [2]]
+
+
+def test_generate_batch_matches_plain_greedy_per_prompt():
+    model = tiny_model("qwen2")
+    config = GenerationConfig(max_new_tokens=25, do_sample=False, eos_token_id=None)
+    results = hf_sparsespec.generate_batch(
+        model, PROMPTS, config, SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4), progress_bar=True
+    )
+    assert len(results) == len(PROMPTS)
+    for prompt, result in zip(PROMPTS, results):
+        expected = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=25, do_sample=False)
+        assert result.prompt_ids == prompt
+        assert result.generated_ids == expected[0, len(prompt) :].tolist()
+        assert result.finish_reason == "length"
+
+
+def test_generate_batch_sampling_with_length_dependent_processors():
+    model = tiny_model("llama")
+    config = GenerationConfig(
+        max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, min_new_tokens=6, eos_token_id=3
+    )
+    torch.manual_seed(0)
+    results = hf_sparsespec.generate_batch(model, PROMPTS * 3, config, SparseSpecConfig(num_draft_tokens=3, min_budget=2))
+    for result in results:
+        assert result.finish_reason in ("eos", "length")
+        assert 6 <= len(result.generated_ids) <= 12  # min_new_tokens holds for every prompt length
+        if result.finish_reason == "eos":
+            assert result.generated_ids[-1] == 3 and 3 not in result.generated_ids[:-1]
+
+
+@pytest.mark.parametrize("prompts", [[], [[]], [[1, "a"]], "abc"])
+def test_generate_batch_rejects_bad_prompts(prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        hf_sparsespec.generate_batch(tiny_model("llama"), prompts)
+
+
+def test_stats_are_consistent():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (5, 8), generator=torch.Generator().manual_seed(2))
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=3, page_size=4)
+    out = model.generate(
+        input_ids=ids, max_new_tokens=33, do_sample=True, temperature=0.9, generation_strategy="sparsespec",
+        sparsespec_config=config, return_dict_in_generate=True, eos_token_id=7,
+    )
+    stats = out.sparsespec_stats
+    assert len(stats.per_request) == 5
+    for row, request in enumerate(stats.per_request):
+        generated = out.sequences[row, 8:].tolist()
+        num_generated = generated.index(7) + 1 if 7 in generated else 33
+        assert request.generated_tokens == num_generated
+        assert request.generated_tokens == 1 + request.accepted_drafts + request.cycles
+        assert request.accepted_drafts <= request.drafted_tokens
+        assert sum(request.accepted_histogram) == request.cycles
+        assert sum(a * n for a, n in enumerate(request.accepted_histogram)) == request.accepted_drafts
+        assert len(request.accepted_histogram) == 5
+    total = stats.total
+    assert total.cycles == sum(r.cycles for r in stats.per_request)
+    assert total.accepted_drafts == sum(r.accepted_drafts for r in stats.per_request)
+    assert 0 <= total.mean_accepted_per_cycle <= 4
+    assert stats.as_dict()["total"]["cycles"] == total.cycles
+
+
+def test_num_return_sequences_samples_independently():
+    model = tiny_model("llama")
+    out = model.generate(
+        input_ids=torch.tensor([[4, 5, 6]]), max_new_tokens=10, do_sample=True, num_return_sequences=4,
+        generation_strategy="sparsespec",
+    )
+    assert out.shape == (4, 13) and len({tuple(row) for row in out[:, 3:].tolist()}) > 1
+
+
+def test_text_streamer_prints_the_generation(capsys):
+    from transformers import TextStreamer
+
+    class Tokenizer:  # the least a TextStreamer needs
+        def decode(self, ids, **kwargs):
+            return "".join(f"<{i}>" for i in ids)
+
+    model = tiny_model("llama")
+    prompt = torch.tensor([[4, 5, 6]])
+    out = model.generate(
+        input_ids=prompt, max_new_tokens=15, generation_strategy="sparsespec",
+        streamer=TextStreamer(Tokenizer(), skip_prompt=True),
+    )
+    printed = capsys.readouterr().out.strip()
+    assert printed == "".join(f"<{i}>" for i in out[0, 3:].tolist())
+
+
+def schedule_trace(policy: str, num_requests: int = 18, k: int = 8) -> list[int]:
+    """Verification rows per iteration when `num_requests` requests decode in steady state."""
+    model = tiny_model("llama")
+    config = SparseSpecConfig(num_draft_tokens=k, selection="dense", scheduler=policy, page_size=8)
+    trace = []
+    original = Scheduler.schedule
+
+    def recording(self):
+        rows = original(self)
+        trace.append(sum(row.kind is RowKind.VERIFY for row in rows))
+        return rows
+
+    Scheduler.schedule = recording
+    try:
+        hf_sparsespec.generate_batch(
+            model, [[i + 1, 2, 3] for i in range(num_requests)], GenerationConfig(max_new_tokens=80, do_sample=False),
+            config,
+        )
+    finally:
+        Scheduler.schedule = original
+    return trace[12:60]  # steady state: after the first cycles, before requests finish
+
+
+def test_unified_scheduler_balances_verifications_naive_runs_lockstep():
+    unified, naive = schedule_trace("unified"), schedule_trace("naive")
+    assert max(unified) - min(unified) <= 2, unified
+    assert max(naive) == 18 and min(naive) == 0, naive
