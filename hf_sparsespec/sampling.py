@@ -52,8 +52,18 @@ PREFIX_DEPENDENT_PROCESSORS = _classes(
 )
 
 
+def _min_length_threshold(processor) -> int | None:
+    """History length below which a min-length processor bans eos (these read only the length)."""
+    if type(processor) is lp.MinLengthLogitsProcessor:
+        return processor.min_length
+    if type(processor) is lp.MinNewTokensLengthLogitsProcessor:
+        return processor.prompt_length_to_skip + processor.min_new_tokens
+    return None
+
+
 def classify_processor(processor: object) -> str:
-    """`"row"` or `"prefix"`; raises NotImplementedError for processors SparseSpec cannot run exactly.
+    """`"row"`, `"length"` or `"prefix"`; raises NotImplementedError for processors SparseSpec cannot
+    run exactly.
 
     A custom processor opts in by setting `sparsespec_kind = "row"` (reads only the scores) or
     `"prefix"` (reads each row's history row by row, keeps no state between calls).
@@ -61,6 +71,8 @@ def classify_processor(processor: object) -> str:
     declared = getattr(processor, "sparsespec_kind", None)
     if declared in ("row", "prefix"):
         return declared
+    if _min_length_threshold(processor) is not None:
+        return "length"
     if isinstance(processor, ROW_INDEPENDENT_PROCESSORS):
         return "row"
     if isinstance(processor, PREFIX_DEPENDENT_PROCESSORS):
@@ -93,9 +105,18 @@ class LogitsPipeline:
             return scores
         groups = self._prefix_groups(token_buffer, row_slots, row_prefix_lens, row_batch_index) if self.needs_prefix else []
         empty = scores.new_empty((scores.shape[0], 0), dtype=torch.long)
+        lengths = None
         for processor, kind in self.steps:
             if kind == "row":
                 scores = processor(empty, scores)
+                continue
+            if kind == "length":  # vectorised: ban eos on the rows whose history is still too short
+                if lengths is None:
+                    lengths = torch.tensor(row_prefix_lens, device=scores.device)
+                banned = lengths < _min_length_threshold(processor)  # [num_rows]
+                eos = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+                eos[processor.eos_token_id.to(scores.device).flatten()] = True
+                scores = scores.masked_fill(banned[:, None] & eos[None, :], float("-inf"))
                 continue
             processed = scores.clone()
             for rows, prefixes, batch_index in groups:

