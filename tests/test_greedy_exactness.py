@@ -130,3 +130,35 @@ def test_model_attention_is_restored():
     before = model.config._attn_implementation
     model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=5, generation_strategy="sparsespec")
     assert model.config._attn_implementation == before
+
+
+def test_admission_queue_chunked_prefill_and_a_small_page_pool():
+    """More requests than slots, prompts prefilled in chunks, a pool that fits two requests at once."""
+    model = tiny_model("qwen3")
+    ids, mask = ragged_batch([17, 5, 23, 9, 12], seed=4)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    config = SparseSpecConfig(
+        num_draft_tokens=4, min_budget=4, page_size=4, max_num_requests=2, prefill_chunk_size=6, num_pages=2 * 17
+    )
+    out = sparsespec(model, ids, mask, 30, config)
+    assert_greedy_equal(model, expected, out.sequences, mask)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 9])
+def test_tiny_generation_lengths(max_new_tokens):
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([4, 7])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    out = sparsespec(model, ids, mask, max_new_tokens, SparseSpecConfig(num_draft_tokens=4, page_size=2))
+    assert torch.equal(out.sequences, expected)
+
+
+def test_eos_as_the_first_token_finishes_while_drafts_are_in_flight():
+    model = tiny_model("llama")
+    ids, mask = ragged_batch([6, 10, 4], seed=3)
+    free_run = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    eos = int(free_run[1, ids.shape[1]])  # row 1 stops right after prefill
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos)
+    out = sparsespec(model, ids, mask, 20, SparseSpecConfig(num_draft_tokens=4, page_size=4), eos_token_id=eos)
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sparsespec_stats.per_request[1].generated_tokens == 1
