@@ -1,0 +1,143 @@
+"""The Triton kernels in bf16 on the GPU at realistic sizes (contexts up to 32K), against the float32
+references with flash-attn's rule (at most 2x torch-bf16's error, plus a small atol). Skipped on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_close_to_reference
+from kernel_cases import (  # noqa: F401
+    assert_attention_close,
+    i32,
+    make_paged_kv,
+    paged_attention_lowp,
+    poison_outputs,
+    query_offsets,
+    random_selection,
+    sparse_attention_lowp,
+)
+
+from hf_sparsespec.kernels.mixed_attention import mixed_attention, mixed_attention_ref
+from hf_sparsespec.kernels.paged_attention import paged_attention, paged_attention_ref
+from hf_sparsespec.kernels.pillar_select import pillar_scores, pillar_scores_ref
+from hf_sparsespec.kernels.sparse_attention import sparse_draft_attention, sparse_draft_attention_ref
+from hf_sparsespec.kernels.store_kv import store_kv, store_kv_ref
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+# (head_dim, group, num_kv_heads, page_size, context_lens, q_lens)
+FULL_CASES = [
+    (128, 6, 2, 16, [32768, 97, 15, 9], [9, 9, 9, 9]),
+    (64, 3, 3, 1, [4099, 97, 1], [9, 1, 1]),
+    (128, 8, 1, 64, [63, 64, 20000], [9, 64, 9]),
+    (64, 1, 4, 16, [16, 97, 3000], [1, 97, 300]),
+]
+
+
+@pytest.mark.parametrize("case", FULL_CASES, ids=lambda c: f"d{c[0]}-g{c[1]}-ps{c[3]}")
+def test_paged_attention_bf16(case):
+    head_dim, group, kvh, page_size, context_lens, q_lens = case
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, page_size, kvh, head_dim, BF16, "cuda")
+    starts = query_offsets(q_lens)
+    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda").to(BF16)
+    args = (query, k_cache, v_cache, page_table, i32(starts, "cuda"), i32(context_lens, "cuda"), head_dim**-0.5)
+    ref_out, ref_lse = paged_attention_ref(*args)
+    out, lse = paged_attention(*args)
+    assert_attention_close(out, ref_out, paged_attention_lowp(*args), BF16)
+    assert_close_to_reference(lse, ref_lse, BF16)
+
+
+# (head_dim, group, num_kv_heads, page_size, context_lens); 5% budgets, recent windows of 1-9.
+DRAFT_CASES = [
+    (128, 6, 2, 16, [32768, 16384, 97, 15]),
+    (64, 3, 3, 1, [4096, 97, 2]),
+    (128, 8, 1, 64, [20000, 63, 64]),
+]
+
+
+def _draft_rows(context_lens):
+    recent = [max(0, c - 1 - (i % 9)) for i, c in enumerate(context_lens)]
+    num_selected = [min(r, math.ceil(0.05 * c)) for r, c in zip(recent, context_lens)]
+    num_selected[-1] = 0  # an empty selection
+    return recent, num_selected
+
+
+@pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: f"d{c[0]}-g{c[1]}-ps{c[3]}")
+def test_sparse_draft_attention_bf16(case):
+    head_dim, group, kvh, page_size, context_lens = case
+    recent, num_selected = _draft_rows(context_lens)
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, page_size, kvh, head_dim, BF16, "cuda")
+    selected, slots = random_selection(context_lens, [max(r, 1) for r in recent], num_selected, kvh, 1700, "cuda")
+    query = torch.randn(len(context_lens), kvh * group, head_dim, device="cuda").to(BF16)
+    args = (
+        query, k_cache, v_cache, page_table, i32(context_lens, "cuda"), i32(recent, "cuda"), selected, slots,
+        i32(num_selected, "cuda"), head_dim**-0.5,
+    )  # fmt: skip
+    out = sparse_draft_attention(*args)
+    assert_attention_close(out, sparse_draft_attention_ref(*args), sparse_attention_lowp(*args), BF16)
+
+
+@pytest.mark.parametrize("head_dim, group, kvh", [(128, 6, 2), (64, 3, 3)])
+def test_mixed_attention_bf16(head_dim, group, kvh):
+    full = [(16384, 9), (4096, 9), (97, 97)]
+    drafts = [32768, 16384, 4096, 97, 15]
+    recent, num_selected = _draft_rows(drafts)
+    context_lens = [c for c, _ in full] + drafts
+    q_lens = [q for _, q in full] + [1] * len(drafts)
+    recent_start = [0] * len(full) + recent
+    num_sel = [0] * len(full) + num_selected
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, 16, kvh, head_dim, BF16, "cuda")
+    selected, slots = random_selection(context_lens, [max(r, 1) for r in recent_start], num_sel, kvh, 1700, "cuda")
+    starts = query_offsets(q_lens)
+    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda").to(BF16)
+    args = (
+        query, k_cache, v_cache, page_table, i32(starts, "cuda"), i32(context_lens, "cuda"), len(full),
+        i32(recent_start, "cuda"), selected, slots, i32(num_sel, "cuda"), head_dim**-0.5,
+    )  # fmt: skip
+    ref_out, ref_lse = mixed_attention_ref(*args)
+    out, lse = mixed_attention(*args)
+    nf = starts[len(full)]
+    lowp_full = paged_attention_lowp(
+        query[:nf], k_cache, v_cache, page_table[:3], i32(starts[:4], "cuda"), i32(context_lens[:3], "cuda"), args[-1]
+    )
+    lowp_draft = sparse_attention_lowp(
+        query[nf:], k_cache, v_cache, page_table[3:], i32(drafts, "cuda"), i32(recent, "cuda"), selected, slots[3:],
+        i32(num_selected, "cuda"), args[-1],
+    )  # fmt: skip
+    assert_attention_close(out, ref_out, torch.cat([lowp_full, lowp_draft]), BF16)
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    assert_close_to_reference(lse[:nf], ref_lse[:nf], BF16)
+
+
+@pytest.mark.parametrize("head_dim, group, kvh, page_size", [(128, 6, 2, 16), (64, 3, 3, 1), (128, 8, 1, 64)])
+def test_pillar_scores_bf16(head_dim, group, kvh, page_size):
+    context_lens, q_lens = [32768, 4105, 97], [9, 9, 9]
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, page_size, kvh, head_dim, BF16, "cuda")
+    starts = query_offsets(q_lens)
+    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda").to(BF16)
+    qs, cl = i32(starts, "cuda"), i32(context_lens, "cuda")
+    _, lse = paged_attention(query, k_cache, v_cache, page_table, qs, cl, head_dim**-0.5)
+    num_old = [c - q for c, q in zip(context_lens, q_lens)]
+    args = (query, k_cache, page_table, qs, lse, i32(num_old, "cuda"), max(num_old), head_dim**-0.5)
+    expected, actual = pillar_scores_ref(*args), pillar_scores(*args)
+    assert torch.equal(actual.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    peak = expected.masked_fill(~finite, 0).amax(dim=-1, keepdim=True)
+    assert_close_to_reference(actual.masked_fill(~finite, 0) / peak, expected.masked_fill(~finite, 0) / peak, BF16)
+
+
+@pytest.mark.parametrize("page_size, kvh, head_dim", [(1, 2, 128), (16, 3, 64), (64, 8, 128)])
+def test_store_kv_bf16(page_size, kvh, head_dim):
+    k_cache = torch.randn(512, page_size, kvh, head_dim, device="cuda").to(BF16)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(512 * page_size, device="cuda")[:300]
+    slots[::7] = -1
+    key = torch.randn(300, kvh, head_dim, device="cuda").to(BF16)
+    value = torch.randn_like(key)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_ref(key, value, k_ref, v_ref, slots)
+    store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

@@ -1,0 +1,120 @@
+"""mixed_attention (Triton, one launch + merge) against its float32 reference on unified batches
+(prefill chunk, verifications, drafts), and the TritonBackend call pattern (plan once, then per
+layer) against TorchBackend."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kernel_cases import (  # noqa: F401
+    assert_attention_close,
+    i32,
+    make_paged_kv,
+    paged_attention_lowp,
+    poison_outputs,
+    query_offsets,
+    random_selection,
+    sparse_attention_lowp,
+)
+
+from hf_sparsespec.kernels.attention_plan import plan_attention
+from hf_sparsespec.kernels.backend import TorchBackend
+from hf_sparsespec.kernels.mixed_attention import mixed_attention, mixed_attention_ref
+from hf_sparsespec.kernels.triton_backend import TritonBackend
+
+# Full rows (context_len, q_len): a prefill chunk and two verifications; then drafts
+# (context_len, recent_start, num_selected), one with an empty selection.
+FULL_ROWS = [(12, 12), (97, 9), (40, 9)]
+DRAFT_ROWS = [(97, 92, 30), (45, 40, 0), (17, 15, 6)]
+
+
+def _mixed_batch(device, dtype, page_size, group, head_dim, num_kv_heads=2, full_rows=FULL_ROWS, draft_rows=DRAFT_ROWS):
+    context_lens = [c for c, _ in full_rows] + [c for c, _, _ in draft_rows]
+    q_lens = [q for _, q in full_rows] + [1] * len(draft_rows)
+    recent_start = [0] * len(full_rows) + [r for _, r, _ in draft_rows]
+    num_selected = [0] * len(full_rows) + [n for _, _, n in draft_rows]
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, page_size, num_kv_heads, head_dim, dtype, device)
+    selected, selection_slot = random_selection(
+        context_lens, [max(r, 1) for r in recent_start], num_selected, num_kv_heads, 32, device
+    )
+    starts = query_offsets(q_lens)
+    query = torch.randn(starts[-1], num_kv_heads * group, head_dim).to(dtype).to(device)
+    args = (
+        query, k_cache, v_cache, page_table, i32(starts, device), i32(context_lens, device), len(full_rows),
+        i32(recent_start, device), selected, selection_slot, i32(num_selected, device), head_dim**-0.5,
+    )  # fmt: skip
+    host = SimpleNamespace(
+        query_start=starts, context_lens=context_lens, num_full_rows=len(full_rows), num_selected=num_selected,
+        recent_start=recent_start, device=device,
+    )  # fmt: skip
+    return args, host
+
+
+def _lowp(args):
+    query, k_cache, v_cache, page_table, query_start, context_lens, num_full = args[:7]
+    recent_start, selected, selection_slot, num_selected, scale = args[7:]
+    num_full_tokens = int(query_start[num_full])
+    full = paged_attention_lowp(
+        query[:num_full_tokens], k_cache, v_cache, page_table[:num_full], query_start[: num_full + 1],
+        context_lens[:num_full], scale,
+    )  # fmt: skip
+    draft = sparse_attention_lowp(
+        query[num_full_tokens:], k_cache, v_cache, page_table[num_full:], context_lens[num_full:],
+        recent_start[num_full:], selected, selection_slot[num_full:], num_selected[num_full:], scale,
+    )  # fmt: skip
+    return torch.cat([full, draft])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size, group, head_dim", [(1, 1, 16), (16, 3, 32), (16, 6, 64)])
+def test_mixed_attention_matches_reference(device, dtype, page_size, group, head_dim):
+    args, host = _mixed_batch(device, dtype, page_size, group, head_dim)
+    ref_out, ref_lse = mixed_attention_ref(*args)
+    lowp = _lowp(args) if dtype != torch.float32 else None
+    tiny_splits = plan_attention(
+        host.query_start, host.context_lens, host.num_full_rows, host.num_selected, host.recent_start,
+        group=group, num_kv_heads=2, device=device, min_keys_per_split=16, target_programs=24,
+    )  # fmt: skip
+    assert tiny_splits.num_merge > 0
+    for plan in (None, tiny_splits):
+        out, lse = mixed_attention(*args, plan=plan)
+        assert_attention_close(out, ref_out, lowp, dtype)
+        assert torch.equal(lse.isinf(), ref_lse.isinf())  # draft tokens: -inf
+        finite = ref_lse.isfinite()
+        assert_attention_close(lse[finite], ref_lse[finite], None, torch.float32 if dtype == torch.float32 else dtype)
+
+
+@pytest.mark.parametrize("full_rows, draft_rows", [([], DRAFT_ROWS), (FULL_ROWS, [])])
+def test_mixed_attention_one_kind_of_row(device, full_rows, draft_rows):
+    args, _ = _mixed_batch(device, torch.float32, 16, 3, 32, full_rows=full_rows, draft_rows=draft_rows)
+    ref_out, ref_lse = mixed_attention_ref(*args)
+    out, lse = mixed_attention(*args)
+    assert_attention_close(out, ref_out, None, torch.float32)
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+
+
+def test_triton_backend_matches_torch_backend(device):
+    args, host = _mixed_batch(device, torch.float32, 16, 3, 32)
+    query, k_cache, v_cache, page_table, query_start = args[:5]
+    triton_backend, torch_backend = TritonBackend(), TorchBackend()
+    assert torch_backend.plan(host) is None
+    plan = triton_backend.plan(host)
+    for _layer in range(2):  # the second layer reuses the plan's device work list
+        out, lse = triton_backend.mixed_attention(*args, plan=plan)
+        ref_out, ref_lse = torch_backend.mixed_attention(*args, plan=None)
+        assert_attention_close(out, ref_out, None, torch.float32)
+        assert len(plan.attention) == 1
+
+    # PillarAttn on the two verification rows (rows 1, 2; tokens 12..29), query_start rebased to 0.
+    v0, v1 = 12, 30
+    verify_args = (
+        query[v0:v1], k_cache, page_table[1:3], i32([0, 9, 18], device), ref_lse[v0:v1], i32([88, 31], device),
+        i32([17, 5], device), 88, 24, args[-1],
+    )  # fmt: skip
+    selected = triton_backend.pillar_select(*verify_args, plan=plan)
+    assert torch.equal(selected, torch_backend.pillar_select(*verify_args, plan=None))
+
+    # A later step: the backend knows the GQA shape now and builds the work list inside `plan`.
+    assert len(triton_backend.plan(host).attention) == 1
