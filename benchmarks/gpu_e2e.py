@@ -84,6 +84,7 @@ def phase_exact(model, tokenizer, args, report):
             )
             sync()
             outs[backend + "_seconds"] = time.perf_counter() - start
+            print(f"exact {dtype} {backend}: {outs[backend + '_seconds']:.1f} s", flush=True)
         pairs = [(f"{b} vs plain", plain, outs[b].sequences) for b in backends]
         if len(backends) == 2:
             pairs.insert(0, ("triton vs torch", outs["torch"].sequences, outs["triton"].sequences))
@@ -128,8 +129,9 @@ def phase_accept(model, tokenizer, args, report):
         pad_token_id=model.generation_config.pad_token_id,
     )
     rows = []
+    budgets = [int(b) for b in args.accept_budgets.split(",")]
     for selection in ("pillar", "streaming", "dense"):
-        for min_budget in (64, 128) if selection != "dense" else (0,):
+        for min_budget in budgets if selection != "dense" else (0,):
             sconfig = SparseSpecConfig(selection=selection, min_budget=max(min_budget, 8))
             torch.manual_seed(args.seed)
             start = time.perf_counter()
@@ -142,6 +144,7 @@ def phase_accept(model, tokenizer, args, report):
                 "distinct4": sum(distinct_ngrams(r.generated_ids) for r in results) / len(results),
                 "seconds": seconds,
             })
+            print(f"accept {selection} {min_budget}: {rows[-1]['mean_accepted']:.2f} in {seconds:.0f} s", flush=True)
     del m
     sync()
     report["accept"] = rows
@@ -203,6 +206,7 @@ def main() -> None:
     parser.add_argument("--min-budget", type=int, default=64)
     parser.add_argument("--accept-prompts", type=int, default=8)
     parser.add_argument("--accept-tokens", type=int, default=1024)
+    parser.add_argument("--accept-budgets", default="64,128")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=1234)

@@ -307,7 +307,7 @@ class Engine:
         return scores
 
     def _sample(self, rows: list[ScheduledRow], s: SampleRows, logits: torch.Tensor) -> StepOutputs:
-        device, k = self.device, self.k
+        device = self.device
         flat_tokens = self.token_buffer.view(-1)
 
         def index(values):

@@ -13,9 +13,9 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chi2_contingency
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_sparsespec import SparseSpecConfig
-from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB, NEW_TOKENS, SAMPLES = 8, 6, 4000
 FALSE_ALARM = 1e-3
