@@ -159,6 +159,7 @@ def generate(
     unsupported = sorted(set(model_kwargs) - _MODEL_KWARGS_WE_HANDLE)
     if unsupported:
         raise NotImplementedError(f"generation_strategy='sparsespec' does not support the model inputs {unsupported}")
+    _warn_ignored(generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise NotImplementedError("generation_strategy='sparsespec' cannot continue from a filled past_key_values cache")
@@ -190,6 +191,17 @@ def generate(
         return sequences
     stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests])
     return SparseSpecGenerateOutput(sequences=sequences, sparsespec_stats=stats)
+
+
+def _warn_ignored(generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    """Options that change only how plain `generate` caches, never its output: said, then ignored."""
+    if generation_config.cache_implementation is not None:
+        logger.warning(
+            "cache_implementation=%r is ignored: generation_strategy='sparsespec' keeps the KV cache in its own pages",
+            generation_config.cache_implementation,
+        )
+    if model_kwargs.get("use_cache") is False or generation_config.use_cache is False:
+        logger.warning("use_cache=False is ignored: generation_strategy='sparsespec' always caches keys and values")
 
 
 def _requests_from_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int):

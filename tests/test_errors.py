@@ -157,3 +157,12 @@ def test_streamer_without_batch_works_with_custom_generate(model):
     out = model.generate(input_ids=PROMPT, max_new_tokens=10, custom_generate=hf_sparsespec.generate, streamer=Recorder())
     assert seen[0] == PROMPT[0].tolist()  # generate puts the prompt itself
     assert sum(seen[1:], []) == out[0, 4:].tolist() and ended == [True]
+
+
+def test_cache_only_options_are_announced_and_ignored(model, caplog):
+    expected = model.generate(input_ids=PROMPT, max_new_tokens=6)
+    with caplog.at_level("WARNING", logger="hf_sparsespec.generation"):
+        out = sparsespec(model, max_new_tokens=6, cache_implementation="static", use_cache=False)
+    assert torch.equal(out, expected)
+    assert "cache_implementation='static' is ignored" in caplog.text
+    assert "use_cache=False is ignored" in caplog.text

@@ -64,3 +64,19 @@ def test_generate_batch_samples_coherently(smollm2):
         assert 1 <= len(result.generated_ids) <= 32
         assert result.stats.generated_tokens == len(result.generated_ids)
         assert tokenizer.decode(result.generated_ids).strip()
+
+
+@pytest.mark.slow
+def test_stop_strings_through_the_wrapper(smollm2):
+    """transformers drops the tokenizer for custom_generate callables; the wrapper turns stop_strings
+    into a StopStringCriteria so they still stop generation where plain generate stops."""
+    model, tokenizer = smollm2
+    enc = encode(tokenizer, QUESTIONS[:1])
+    kwargs = dict(max_new_tokens=40, do_sample=False, stop_strings=["."], tokenizer=tokenizer)
+    expected = model.generate(**enc, **kwargs)
+    out = model.generate(**enc, **kwargs, generation_strategy="sparsespec")
+    assert torch.equal(out, expected)
+    text = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert text.rstrip().endswith(".") and text.count(".") == 1
+    with pytest.raises(ValueError, match="stop_strings need the tokenizer"):
+        model.generate(**enc, max_new_tokens=5, stop_strings=["\n"], generation_strategy="sparsespec")
