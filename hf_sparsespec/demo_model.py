@@ -39,4 +39,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     path = Path(path) if path is not None else smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    if tokenizer.pad_token is None:  # transformers 5.17 reads no pad token from this GGUF
+        pad = model.generation_config.pad_token_id
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad if pad is not None else 0)
     return model.to(device).eval(), tokenizer
