@@ -166,3 +166,46 @@ def test_cache_only_options_are_announced_and_ignored(model, caplog):
     assert torch.equal(out, expected)
     assert "cache_implementation='static' is ignored" in caplog.text
     assert "use_cache=False is ignored" in caplog.text
+
+
+class _Config:
+    def __init__(self, **fields):
+        self.is_encoder_decoder = False
+        self.num_hidden_layers = 2
+        self.__dict__.update(fields)
+
+    def get_text_config(self):
+        return self
+
+
+class _Model:
+    _supports_attention_backend = True
+
+    def __init__(self, **fields):
+        self.config = _Config(**fields)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (_Model(kv_lora_rank=64), "multi-head latent attention"),
+        (_Model(layer_types=["full_attention", "linear_attention"]), "'linear_attention' layers"),
+        (_Model(attention_chunk_size=8192), "chunked attention"),
+        (_Model(layer_types=["sliding_attention", "full_attention"], sliding_window=128), r"window 128"),
+    ],
+)
+def test_unsupported_attention_kinds_are_refused(model, message):
+    from hf_sparsespec.validation import check_model_supported
+
+    with pytest.raises(NotImplementedError, match=message):
+        check_model_supported(model, max_total_len=1000)
+
+
+def test_models_without_the_attention_interface_are_refused():
+    from hf_sparsespec.validation import check_model_supported
+
+    model = _Model()
+    model._supports_attention_backend = False
+    with pytest.raises(NotImplementedError, match="does not route its attention through"):
+        check_model_supported(model, max_total_len=10)
+    check_model_supported(_Model(layer_types=["sliding_attention"], sliding_window=4096), max_total_len=4096)
