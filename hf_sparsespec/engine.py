@@ -13,7 +13,6 @@ results only after iteration t+1 was launched, so a verifying request sits one i
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +28,6 @@ from hf_sparsespec.sampling import LogitsPipeline, accept_greedy, accept_sampled
 from hf_sparsespec.scheduler import Request, RowKind, ScheduledRow, Scheduler
 from hf_sparsespec.step import HostPlan, StepBatch
 from hf_sparsespec.validation import cache_kwarg_name, model_geometry, supports_logits_to_keep
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,6 @@ class Engine:
     ) -> None:
         self.model = model
         self.config = config
-        self.requests = requests
         self.pipelines = pipelines
         self.do_sample = do_sample
         self.stop_checker = stop_checker

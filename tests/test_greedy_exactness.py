@@ -162,3 +162,16 @@ def test_eos_as_the_first_token_finishes_while_drafts_are_in_flight():
     out = sparsespec(model, ids, mask, 20, SparseSpecConfig(num_draft_tokens=4, page_size=4), eos_token_id=eos)
     assert_greedy_equal(model, expected, out.sequences, mask)
     assert out.sparsespec_stats.per_request[1].generated_tokens == 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_iterations_that_only_prefill_a_chunk(do_sample):
+    """A single long prompt in chunks: the first iterations sample nothing."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    config = SparseSpecConfig(num_draft_tokens=4, prefill_chunk_size=6, page_size=4)
+    kwargs = dict(input_ids=ids, max_new_tokens=12, do_sample=do_sample)
+    out = model.generate(**kwargs, generation_strategy="sparsespec", sparsespec_config=config)
+    assert out.shape == (1, 32)
+    if not do_sample:
+        assert_greedy_equal(model, model.generate(**kwargs), out)
