@@ -48,6 +48,7 @@ def sparsespec_attention(
         )
     layer_idx = module.layer_idx
     layer = step.cache.layers[layer_idx]
+    selected = step.cache.selected[layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [num_tokens, num_q_heads, head_dim]
     out, lse = step.backend.mixed_attention(
@@ -59,29 +60,26 @@ def sparsespec_attention(
         step.context_lens,
         step.num_full_rows,
         step.recent_start,
-        step.cache.selected[layer_idx],
+        selected,
         step.selection_slot,
         step.num_selected,
         scale,
         plan=step.plan,
     )
     if step.score_verify_rows and step.num_verify_rows > 0:
-        v0, v1 = step.verify_tokens
-        first_verify_row = step.num_prefill_rows
-        selected = step.backend.pillar_select(
-            q[v0:v1],
+        step.backend.update_selection(
+            q,
             layer.keys,
-            step.page_table[first_verify_row : first_verify_row + step.num_verify_rows],
+            step.verify_page_table,
             step.verify_query_start,
-            lse[v0:v1],
+            lse,
             step.num_old_keys,
             step.budgets,
-            step.max_num_old_keys,
-            step.max_budget,
+            selected,
+            step.verify_slots,
+            step.scores,
             scale,
-            plan=step.plan,
         )
-        step.cache.selected[layer_idx].index_copy_(0, step.verify_slots, selected)
     step.attention_calls += 1
     return out[None], None
 

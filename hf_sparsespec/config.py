@@ -33,7 +33,9 @@ class SparseSpecConfig:
     """How SparseSpec drafts, verifies and schedules.
 
     Args:
-        num_draft_tokens: k, the number of sparse draft steps between two full verifications.
+        num_draft_tokens: k, the number of sparse draft steps between two full verifications; 0 runs
+            plain autoregressive decoding (one token per request per iteration) in the same engine,
+            with the same paged cache, kernels and graphs: the baseline SparseSpec is measured against.
         budget_ratio: fraction of the context each draft step reads, besides the recent window.
             The per-request budget is `B = max(min_budget, ceil(budget_ratio * kv_len))` keys per
             (layer, KV head).
@@ -55,6 +57,10 @@ class SparseSpecConfig:
             prefilled in chunks).
         backend: attention kernels: `"triton"` on CUDA, `"torch"` (the reference) anywhere;
             `"auto"` picks Triton on CUDA and torch elsewhere.
+        cuda_graphs: capture decode iterations (no prefill rows) in CUDA graphs, one per padded
+            shape, and replay them. Needs CUDA, the Triton backend and logits processors free of host
+            syncs (temperature, top-k, top-p, min-p, typical, epsilon, min length, repetition
+            penalty); otherwise iterations run eagerly.
     """
 
     num_draft_tokens: int = 8
@@ -70,9 +76,10 @@ class SparseSpecConfig:
     gpu_memory_fraction: float = 0.85
     prefill_chunk_size: int = 4096
     backend: Literal["auto", "torch", "triton"] = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("num_draft_tokens", self.num_draft_tokens, 1, 64)
+        _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
         if not isinstance(self.budget_ratio, (int, float)) or isinstance(self.budget_ratio, bool):
             raise ValueError(f"SparseSpecConfig.budget_ratio must be a float, got {self.budget_ratio!r}")
         if not (0.0 < self.budget_ratio <= 1.0) or math.isnan(self.budget_ratio):
@@ -100,6 +107,8 @@ class SparseSpecConfig:
             )
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
         _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"SparseSpecConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
 
     def budget(self, kv_len: int) -> int:
         """Selected keys per (layer, KV head) for a context of `kv_len` keys (before clamping to the

@@ -111,7 +111,7 @@ def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set
     return eos_ids, others
 
 
-def _run(model, requests, config, pipelines, do_sample, stop_checker, streamer=None, progress=None) -> None:
+def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=None, progress=None) -> None:
     def on_tokens(request: Request, tokens: list[int]) -> None:
         if streamer is not None:
             streamer.put(torch.tensor([tokens]))
@@ -120,7 +120,7 @@ def _run(model, requests, config, pipelines, do_sample, stop_checker, streamer=N
         if progress is not None:
             progress.update(1)
 
-    Engine(model, requests, config, pipelines, do_sample, stop_checker, on_tokens, on_finish).run()
+    Engine(model, requests, config, pipeline, do_sample, stop_checker, on_tokens, on_finish).run()
 
 
 # --- model.generate(..., custom_generate=generate) --------------------------------------------------
@@ -175,9 +175,9 @@ def generate(
     requests = _requests_from_batch(input_ids, model_kwargs.get("attention_mask"), max_new_tokens)
     eos_ids, criteria = _split_stopping_criteria(stopping_criteria)
     stop_checker = StopChecker(eos_ids, criteria, input_ids.device)
-    pipelines = [LogitsPipeline(logits_processor if logits_processor is not None else [])]
+    pipeline = LogitsPipeline(logits_processor if logits_processor is not None else [])
     try:
-        _run(model, requests, config, pipelines, bool(generation_config.do_sample), stop_checker, streamer)
+        _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker, streamer)
     finally:
         if streamer is not None:
             streamer.end()
@@ -238,6 +238,16 @@ def _pad_token(generation_config: GenerationConfig, eos_ids: set[int]) -> int:
 
 
 # --- generate_batch --------------------------------------------------------------------------------
+@dataclass
+class BatchJob:
+    """What `generate_batch` hands the engine: requests, their logits pipeline and stop rules."""
+
+    requests: list[Request]
+    pipeline: LogitsPipeline
+    do_sample: bool
+    stop_checker: StopChecker
+
+
 def generate_batch(
     model,
     prompts: list[list[int]],
@@ -250,14 +260,31 @@ def generate_batch(
     `generation_config` works as in `generate` (do_sample, temperature, top_k, top_p, repetition
     penalty, eos_token_id, max_new_tokens, ...); without one, the model's own applies.
     """
+    config = sparsespec_config if sparsespec_config is not None else SparseSpecConfig()
+    if not isinstance(config, SparseSpecConfig):
+        raise TypeError(f"sparsespec_config must be a SparseSpecConfig, got {type(config).__name__}")
+    job = prepare_batch(model, prompts, generation_config)
+    progress = None
+    if progress_bar:
+        from transformers.utils.logging import tqdm
+
+        progress = tqdm(total=len(job.requests), desc="SparseSpec", unit="request")
+    try:
+        _run(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    return [SparseSpecResult(r.prompt, r.generated, r.finish_reason, r.stats) for r in job.requests]
+
+
+def prepare_batch(model, prompts: list[list[int]], generation_config: GenerationConfig | None = None) -> BatchJob:
+    """Validate ragged prompts and build their requests, logits pipeline and stop rules (what
+    `generate_batch` runs; benchmarks that drive an `Engine` themselves start here)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("expected a non-empty list of prompts (lists of token ids)")
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"prompt {index} must be a non-empty list of token ids, got {prompt!r:.80}")
-    config = sparsespec_config if sparsespec_config is not None else SparseSpecConfig()
-    if not isinstance(config, SparseSpecConfig):
-        raise TypeError(f"sparsespec_config must be a SparseSpecConfig, got {type(config).__name__}")
     generation_config, _ = model._prepare_generation_config(generation_config)
     check_generation_config(generation_config)
     if generation_config.stop_strings:
@@ -266,8 +293,15 @@ def generate_batch(
     model._prepare_special_tokens(generation_config, True, device=device)
     eos = generation_config._eos_token_tensor
     eos_ids = set() if eos is None else {int(t) for t in eos.flatten().tolist()}
-
-    requests, pipelines, group_of_length = [], [], {}
+    lengths = {len(prompt) for prompt in prompts}
+    if len(lengths) > 1:
+        for option in ("exponential_decay_length_penalty", "begin_suppress_tokens"):
+            if getattr(generation_config, option, None) is not None:
+                raise NotImplementedError(
+                    f"generate_batch cannot apply {option} to prompts of different lengths (it counts from the "
+                    "prompt length); use generate() with a padded batch, or prompts of one length"
+                )
+    requests = []
     for index, prompt in enumerate(prompts):
         length = len(prompt)
         if generation_config.max_new_tokens is not None:
@@ -276,35 +310,23 @@ def generate_batch(
             max_new_tokens = generation_config.max_length - length
         if max_new_tokens < 1:
             raise ValueError(f"prompt {index} ({length} tokens) leaves no room under max_length {generation_config.max_length}")
-        if length not in group_of_length:  # length-dependent processors (min_new_tokens, ...) per length
-            per_length = generation_config.__class__.from_dict(generation_config.to_dict())
-            per_length._eos_token_tensor = generation_config._eos_token_tensor
-            per_length._pad_token_tensor = generation_config._pad_token_tensor
-            per_length._bos_token_tensor = getattr(generation_config, "_bos_token_tensor", None)
-            per_length._decoder_start_token_tensor = getattr(generation_config, "_decoder_start_token_tensor", None)
-            per_length.max_length = length + max_new_tokens
-            processors = model._get_logits_processor(
-                generation_config=per_length,
-                input_ids_seq_length=length,
-                encoder_input_ids=torch.tensor([prompt], device=device),
-                prefix_allowed_tokens_fn=None,
-                logits_processor=LogitsProcessorList(),
-                device=device,
-                model_kwargs={},
-            )
-            group_of_length[length] = len(pipelines)
-            pipelines.append(LogitsPipeline(processors))
-        requests.append(Request(index, list(prompt), max_new_tokens, processor_group=group_of_length[length]))
+        requests.append(Request(index, list(prompt), max_new_tokens, batch_row=index))
+    # One processor list for every prompt: the length-dependent ones (min_new_tokens) take each
+    # request's prompt length as a per-row parameter (`LogitsPipeline.request_params`).
+    first = requests[0]
+    per_length = generation_config.__class__.from_dict(generation_config.to_dict())
+    for name in ("_eos_token_tensor", "_pad_token_tensor", "_bos_token_tensor", "_decoder_start_token_tensor"):
+        setattr(per_length, name, getattr(generation_config, name, None))
+    per_length.max_length = first.max_total_len
+    processors = model._get_logits_processor(
+        generation_config=per_length,
+        input_ids_seq_length=first.prompt_len,
+        encoder_input_ids=torch.tensor([first.prompt], device=device),
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(),
+        device=device,
+        model_kwargs={},
+    )
+    pipeline = LogitsPipeline(processors)
     check_model_supported(model, max(r.max_total_len for r in requests))
-    progress = None
-    if progress_bar:
-        from transformers.utils.logging import tqdm
-
-        progress = tqdm(total=len(requests), desc="SparseSpec", unit="request")
-    try:
-        _run(model, requests, config, pipelines, bool(generation_config.do_sample), StopChecker(eos_ids, [], device),
-             progress=progress)
-    finally:
-        if progress is not None:
-            progress.close()
-    return [SparseSpecResult(r.prompt, r.generated, r.finish_reason, r.stats) for r in requests]
+    return BatchJob(requests, pipeline, bool(generation_config.do_sample), StopChecker(eos_ids, [], device))

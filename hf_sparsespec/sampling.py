@@ -12,6 +12,9 @@ alike, each row seeing the exact token prefix it has in plain decoding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import transformers.generation.logits_process as lp
 from transformers import LogitsProcessorList
@@ -52,18 +55,23 @@ PREFIX_DEPENDENT_PROCESSORS = _classes(
 )
 
 
-def _min_length_threshold(processor) -> int | None:
-    """History length below which a min-length processor bans eos (these read only the length)."""
-    if type(processor) is lp.MinLengthLogitsProcessor:
-        return processor.min_length
-    if type(processor) is lp.MinNewTokensLengthLogitsProcessor:
-        return processor.prompt_length_to_skip + processor.min_new_tokens
-    return None
+# Row-wise processors whose code is free of host syncs (no boolean indexing, no `.item()`, no
+# validating distributions): an iteration that only uses these can be captured in a CUDA graph.
+GRAPH_SAFE_PROCESSORS = _classes(
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "LogitNormalization",
+    "SuppressTokensLogitsProcessor",
+)
 
 
 def classify_processor(processor: object) -> str:
-    """`"row"`, `"length"` or `"prefix"`; raises NotImplementedError for processors SparseSpec cannot
-    run exactly.
+    """`"row"`, `"min_length"`, `"repetition"` or `"prefix"`; raises NotImplementedError for processors
+    SparseSpec cannot run exactly.
 
     A custom processor opts in by setting `sparsespec_kind = "row"` (reads only the scores) or
     `"prefix"` (reads each row's history row by row, keeps no state between calls).
@@ -71,8 +79,10 @@ def classify_processor(processor: object) -> str:
     declared = getattr(processor, "sparsespec_kind", None)
     if declared in ("row", "prefix"):
         return declared
-    if _min_length_threshold(processor) is not None:
-        return "length"
+    if type(processor) in (lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor):
+        return "min_length"
+    if type(processor) is lp.RepetitionPenaltyLogitsProcessor:
+        return "repetition"
     if isinstance(processor, ROW_INDEPENDENT_PROCESSORS):
         return "row"
     if isinstance(processor, PREFIX_DEPENDENT_PROCESSORS):
@@ -86,71 +96,120 @@ def classify_processor(processor: object) -> str:
     )
 
 
+@dataclass
+class LogitsRows:
+    """Which history each logits row of an iteration conditions on (device tensors, plus host copies
+    of the real rows for the processors that run group by group)."""
+
+    slot: torch.Tensor  # [num_logits] int64, the request's row of `token_buffer`
+    prefix_len: torch.Tensor  # [num_logits] int64, history length the row conditions on
+    params: torch.Tensor  # [num_params, num_logits] int64, per-request processor parameters
+    host: dict | None = None  # "slot", "prefix_len", "index" (numpy) of the real rows
+
+
 class LogitsPipeline:
-    """One `LogitsProcessorList`, applied to packed logits rows with each row's exact prefix."""
+    """One `LogitsProcessorList`, applied to every logits row of an iteration at once.
+
+    Each row sees the exact history it has in plain decoding (its request's padding, prompt and
+    tokens up to the row's position, drafts included). Processors of kind `"row"` run once on all
+    rows; min-length processors and the repetition penalty are vectorised with per-row tensors (the
+    threshold or the ignored prompt length of each row's request, `request_params`); other history
+    processors (`"prefix"`) run per group of equal prefix length (host syncs: no CUDA graph then).
+    """
 
     def __init__(self, processors: LogitsProcessorList | list) -> None:
         self.steps = [(processor, classify_processor(processor)) for processor in processors]
-        self.needs_prefix = any(kind == "prefix" for _, kind in self.steps)
+        self.param_index: dict[int, int] = {}
+        for index, (_, kind) in enumerate(self.steps):
+            if kind in ("min_length", "repetition"):
+                self.param_index[index] = len(self.param_index)
+        self._eos_masks: dict[int, torch.Tensor] = {}
 
-    def __call__(
-        self,
-        scores: torch.Tensor,  # [num_rows, vocab] float32
-        token_buffer: torch.Tensor,  # [num_slots, history_width] int64, every request's token history
-        row_slots: list[int],  # per row: the request's slot in `token_buffer`
-        row_prefix_lens: list[int],  # per row: history length the row's logits condition on
-        row_batch_index: list[int],  # per row: the request's row in the batch the processors were built for
-    ) -> torch.Tensor:
-        if not self.steps:
-            return scores
-        groups = self._prefix_groups(token_buffer, row_slots, row_prefix_lens, row_batch_index) if self.needs_prefix else []
+    @property
+    def num_params(self) -> int:
+        return len(self.param_index)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether the whole pipeline runs without host syncs (CUDA-graph capturable)."""
+        return all(
+            kind in ("min_length", "repetition") or (kind == "row" and isinstance(p, GRAPH_SAFE_PROCESSORS))
+            for p, kind in self.steps
+        )
+
+    def request_params(self, request) -> tuple[int, ...]:
+        """Per-request integers of the vectorised processors: the history length below which a
+        min-length processor bans eos, the prompt length the repetition penalty ignores."""
+        params = []
+        for index in self.param_index:
+            processor = self.steps[index][0]
+            if type(processor) is lp.MinLengthLogitsProcessor:
+                params.append(processor.min_length)
+            elif type(processor) is lp.MinNewTokensLengthLogitsProcessor:
+                params.append(request.history_offset + request.prompt_len + processor.min_new_tokens)
+            else:
+                ignore = getattr(processor, "prompt_ignore_length", None)
+                if isinstance(ignore, torch.Tensor):
+                    ignore = int(ignore.flatten()[request.batch_row])
+                params.append(int(ignore or 0))
+        return tuple(params)
+
+    def __call__(self, scores: torch.Tensor, token_buffer: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+        """`scores [num_logits, vocab]` float32 -> processed scores (same shape)."""
         empty = scores.new_empty((scores.shape[0], 0), dtype=torch.long)
-        lengths = None
-        for processor, kind in self.steps:
+        for index, (processor, kind) in enumerate(self.steps):
             if kind == "row":
                 scores = processor(empty, scores)
-                continue
-            if kind == "length":  # vectorised: ban eos on the rows whose history is still too short
-                if lengths is None:
-                    lengths = torch.tensor(row_prefix_lens, device=scores.device)
-                banned = lengths < _min_length_threshold(processor)  # [num_rows]
-                eos = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-                eos[processor.eos_token_id.to(scores.device).flatten()] = True
-                scores = scores.masked_fill(banned[:, None] & eos[None, :], float("-inf"))
-                continue
-            processed = scores.clone()
-            for rows, prefixes, batch_index in groups:
-                processed[rows] = _for_batch_rows(processor, batch_index)(prefixes, scores[rows])
-            scores = processed
+            elif kind == "min_length":
+                banned = rows.prefix_len < rows.params[self.param_index[index]]  # [num_logits]
+                scores = scores.masked_fill(banned[:, None] & self._eos_mask(index, scores)[None, :], float("-inf"))
+            elif kind == "repetition":
+                scores = _repetition_penalty(processor.penalty, scores, token_buffer, rows, rows.params[self.param_index[index]])
+            else:
+                scores = _by_prefix_length(processor, scores, token_buffer, rows)
         return scores
 
-    @staticmethod
-    def _prefix_groups(token_buffer, row_slots, row_prefix_lens, row_batch_index) -> list[tuple]:
-        by_length: dict[int, list[int]] = {}
-        for row, length in enumerate(row_prefix_lens):
-            by_length.setdefault(length, []).append(row)
-        device = token_buffer.device
-        groups = []
-        for length, rows in by_length.items():
-            slots = torch.tensor([row_slots[r] for r in rows], device=device)
-            batch_index = torch.tensor([row_batch_index[r] for r in rows], device=device)
-            groups.append((torch.tensor(rows, device=device), token_buffer[slots, :length], batch_index))
-        return groups
+    def _eos_mask(self, index: int, scores: torch.Tensor) -> torch.Tensor:
+        if index not in self._eos_masks:
+            mask = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+            mask[self.steps[index][0].eos_token_id.to(scores.device).flatten()] = True
+            self._eos_masks[index] = mask
+        return self._eos_masks[index]
 
 
-def _for_batch_rows(processor, batch_index: torch.Tensor):
-    """The processor as it applies to the given rows of the batch it was built for: processors that
-    hold per-row state (the repetition penalty's per-row padding lengths, transformers >= 5.2x) get
-    that state sliced to the rows at hand."""
-    ignore = getattr(processor, "prompt_ignore_length", None)
-    if isinstance(ignore, torch.Tensor) and isinstance(processor, lp.RepetitionPenaltyLogitsProcessor):
-        return lp.RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=ignore.to(batch_index.device)[batch_index])
-    return processor
+def _repetition_penalty(penalty: float, scores, token_buffer, rows: LogitsRows, ignore: torch.Tensor) -> torch.Tensor:
+    """transformers' repetition penalty on every row at once: the tokens of each row's history
+    `[ignore, prefix_len)` are penalised (positions outside map to a spare column that is dropped)."""
+    vocab = scores.shape[1]
+    history = token_buffer[rows.slot]  # [num_logits, history_width]
+    position = torch.arange(history.shape[1], device=scores.device)[None, :]
+    inside = (position < rows.prefix_len[:, None]) & (position >= ignore[:, None])
+    history = torch.where(inside, history, vocab)
+    padded = torch.nn.functional.pad(scores, (0, 1))
+    score = padded.gather(1, history)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return padded.scatter(1, history, score)[:, :vocab]
+
+
+def _by_prefix_length(processor, scores: torch.Tensor, token_buffer: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+    """A history processor applied per group of rows with equal prefix length (each group one call
+    with its `[rows, length]` histories)."""
+    host = rows.host
+    processed = scores.clone()
+    device = scores.device
+    for length in np.unique(host["prefix_len"]):
+        members = host["prefix_len"] == length
+        index = torch.from_numpy(host["index"][members]).to(device)
+        slots = torch.from_numpy(host["slot"][members]).to(device)
+        processed[index] = processor(token_buffer[slots, : int(length)], scores[index])
+    return processed
 
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of (possibly unnormalised) probabilities `[n, vocab]`, as `generate` samples."""
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
+    """One token per row of (possibly unnormalised) probabilities `[n, vocab]`: argmax of p / q with
+    q ~ Exp(1), exactly how `torch.multinomial` draws one sample, without its host-side validity check
+    (so it can be captured in a CUDA graph)."""
+    return probs.div(torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
 def accept_greedy(
@@ -177,6 +236,8 @@ def accept_sampled(
     tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling."""
     num_rows, k = draft_tokens.shape
     device = draft_tokens.device
+    if k == 0:  # autoregressive rows: sample the one target distribution
+        return torch.zeros(num_rows, dtype=torch.long, device=device), sample_from(target_probs[:, 0])
     valid = torch.arange(k, device=device)[None, :] < num_drafts[:, None]
     p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
     q = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)

@@ -18,6 +18,10 @@ Unified scheduling: every active request advances one phase per iteration, so ea
 about k/(k+1) of the requests as 1-token sparse drafts and 1/(k+1) as (k+1)-token verifications.
 A new request joins the phase bucket that verifies least often, by drafting fewer tokens in its first
 cycle. The `naive` policy joins the fullest bucket instead, so all requests run in lockstep.
+
+Autoregressive mode (k = 0): every iteration is a "verification" of zero drafts, which always
+commits exactly one token; so the request commits it at scheduling time (its value stays on the
+device) and runs again in the next iteration, without waiting for the host to read the result.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     padding: list[int] = field(default_factory=list)
-    processor_group: int = 0  # index of the logits-processor list that applies to this request
     batch_row: int = 0  # the request's row in the batch its logits processors were built for
+    processor_params: tuple[int, ...] = ()  # per-request parameters of the vectorised logits processors
     # --- host-side state ---
     phase: Phase = Phase.WAITING
     slot: int = -1
@@ -117,6 +121,7 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.k = config.num_draft_tokens
+        self.autoregressive = self.k == 0
         # iterations per cycle in steady state: k drafts, one verification, one await when delayed
         self.cycle_length = self.k + 1 + (1 if config.delayed_verification else 0)
         self.waiting: deque[Request] = deque()
@@ -213,6 +218,11 @@ class Scheduler:
         first = request.num_committed - 1
         row = ScheduledRow(request, RowKind.VERIFY, first, request.cycle_drafts + 1, samples=True)
         self.allocator.ensure(request.request_id, row.context_len)
+        if self.autoregressive:  # one token, committed now; the next iteration feeds it from the device
+            request.num_committed += 1
+            if request.num_committed >= request.max_total_len:
+                request.phase = Phase.AWAIT  # the last token: wait for the host to read and finish it
+            return row
         row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
         request.pending_budget = row.budget
         self._set_verify_iteration(request, self.iteration)

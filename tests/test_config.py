@@ -19,7 +19,8 @@ def test_defaults():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("num_draft_tokens", 0, r"num_draft_tokens must be in \[1, 64\], got 0"),
+        ("num_draft_tokens", -1, r"num_draft_tokens must be in \[0, 64\], got -1"),
+        ("num_draft_tokens", 65, r"num_draft_tokens must be in \[0, 64\], got 65"),
         ("num_draft_tokens", 2.5, r"num_draft_tokens must be an int, got float 2.5"),
         ("num_draft_tokens", True, r"num_draft_tokens must be an int"),
         ("budget_ratio", 0.0, r"budget_ratio must be in \(0, 1\], got 0.0"),
@@ -36,6 +37,7 @@ def test_defaults():
         ("prefill_chunk_size", 0, r"prefill_chunk_size must be >= 1, got 0"),
         ("backend", "cuda", r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
         ("delayed_verification", "yes", r"delayed_verification must be a bool, got 'yes'"),
+        ("cuda_graphs", 1, r"cuda_graphs must be a bool, got 1"),
     ],
 )
 def test_invalid_values_name_field_range_and_value(field, value, message):

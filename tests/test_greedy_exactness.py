@@ -9,6 +9,7 @@ from models import assert_greedy_equal, ragged_batch, tiny_model
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.engine import Engine
+from hf_sparsespec.runner import ModelRunner
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
 
@@ -61,12 +62,12 @@ def test_rejecting_every_draft_rolls_back_exactly(monkeypatch):
     """Corrupt every draft: each cycle commits only the target's token, and the KV the drafts wrote
     must be overwritten/rolled back for the output to stay exact."""
     vocab = 96
-    original = Engine._store_drafts
+    original = ModelRunner._store_drafts
 
-    def wrong_drafts(self, s, tokens, probs):
-        original(self, s, (tokens + 1) % vocab, probs)
+    def wrong_drafts(self, fields, tokens, probs):
+        original(self, fields, (tokens + 1) % vocab, probs)
 
-    monkeypatch.setattr(Engine, "_store_drafts", wrong_drafts)
+    monkeypatch.setattr(ModelRunner, "_store_drafts", wrong_drafts)
     model = tiny_model("qwen2")
     ids, mask = ragged_batch([7, 4])
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hf_sparsespec.cache import OutOfPagesError, PageAllocator
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["reserve", "ensure", "truncate", "free"]), st.integers(0, 5), st.integers(0, 70)),
+    st.tuples(st.sampled_from(["reserve", "ensure", "truncate", "free", "sync"]), st.integers(0, 5), st.integers(0, 70)),
     max_size=80,
 )
 
@@ -19,6 +19,7 @@ operations = st.lists(
 def test_random_operations_keep_invariants(num_pages, page_size, ops):
     allocator = PageAllocator(num_pages, page_size)
     model: dict[int, int] = {}  # request -> length, the expected state
+    mirror: dict[int, list[int]] = {}  # what a device copy kept current with `take_changed` holds
     for op, request, tokens in ops:
         if op == "reserve" and request not in model:
             if allocator.can_reserve(tokens):
@@ -41,6 +42,14 @@ def test_random_operations_keep_invariants(num_pages, page_size, ops):
             allocator.free(request)
             del model[request]
         allocator.check_invariants()
+        for rid in list(mirror):
+            if rid not in model:
+                del mirror[rid]
+        if op == "sync" and request in model:  # what an iteration sends to the device page table
+            table, first = allocator.page_table(request), allocator.take_changed(request)
+            copy = mirror.setdefault(request, [])
+            copy[first:] = table[first:]
+            assert copy[: len(table)] == table
         for rid, length in model.items():
             assert allocator.length(rid) == length
             table = allocator.page_table(rid)
@@ -68,3 +77,20 @@ def test_reservations_cannot_exceed_the_pool():
         allocator.reserve("b", 5)
     with pytest.raises(ValueError, match="already holds pages"):
         allocator.reserve("a", 1)
+
+
+def test_take_changed_reports_pages_replaced_after_a_rollback():
+    allocator = PageAllocator(num_pages=14, page_size=1)
+    allocator.reserve("a", 8)
+    allocator.ensure("a", 8)
+    assert allocator.take_changed("a") == 0
+    mirror = list(allocator.page_table("a"))
+    allocator.truncate("a", 2)  # frees 6 pages ...
+    allocator.reserve("b", 6)
+    allocator.ensure("b", 6)  # ... which b takes
+    allocator.ensure("a", 8)  # a grows back onto other pages
+    first = allocator.take_changed("a")
+    assert first == 2
+    mirror[first:] = allocator.page_table("a")[first:]
+    assert mirror == allocator.page_table("a") and mirror[2:] != allocator.page_table("b")
+    assert allocator.take_changed("a") == 8  # nothing changed since

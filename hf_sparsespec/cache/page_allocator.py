@@ -4,7 +4,10 @@ Invariants (checked by `check_invariants`, property-tested):
 - every page is either free or owned by exactly one request;
 - a request that holds `n` token positions owns exactly `ceil(n / page_size)` pages, in position order;
 - `reserve` never promises more pages than exist: the sum of reservations is at most `num_pages`,
-  so a request that reserved its worst case never runs out mid-decode.
+  so a request that reserved its worst case never runs out mid-decode;
+- `take_changed(request)` names the first page-table index that changed since the last call (a
+  rollback frees pages that a later growth may replace with others), so a device copy of the
+  tables can be kept current by sending only those entries.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class PageAllocator:
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
         self._reserved: dict[Hashable, int] = {}
+        self._changed: dict[Hashable, int] = {}  # first table index changed since `take_changed`
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -72,6 +76,7 @@ class PageAllocator:
         self._reserved[request_id] = needed
         self._tables[request_id] = []
         self._lengths[request_id] = 0
+        self._changed[request_id] = 0
 
     # --- allocation ----------------------------------------------------------------------------
     def ensure(self, request_id: Hashable, num_tokens: int) -> None:
@@ -93,6 +98,8 @@ class PageAllocator:
         """Roll the request back to positions `0 .. num_tokens - 1`, freeing the pages past them."""
         table = self._tables[request_id]
         keep = self.pages_for(num_tokens)
+        if len(table) > keep:
+            self._changed[request_id] = min(self._changed[request_id], keep)
         while len(table) > keep:
             self._free.append(table.pop())
         self._lengths[request_id] = min(self._lengths[request_id], num_tokens)
@@ -103,6 +110,14 @@ class PageAllocator:
         self._free.extend(reversed(table))
         del self._lengths[request_id]
         del self._reserved[request_id]
+        del self._changed[request_id]
+
+    def take_changed(self, request_id: Hashable) -> int:
+        """The first index of the request's page table that may differ from what it was at the last
+        call (entries before it are unchanged); the next call starts from the table's current end."""
+        first = min(self._changed[request_id], len(self._tables[request_id]))
+        self._changed[request_id] = len(self._tables[request_id])
+        return first
 
     def check_invariants(self) -> None:
         owned = [page for table in self._tables.values() for page in table]

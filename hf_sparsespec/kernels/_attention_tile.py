@@ -148,11 +148,9 @@ def _store_tile(
 def _merge_splits_kernel(
     part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
     part_lse_ptr,  # [num_part_rows, num_q_heads] fp32, natural log
-    merge_ptr,  # [num_merge, 4] int32: token, first part row, split stride, num splits
-    query_start_ptr,  # [num_rows + 1] int32 (tokens before query_start[num_full_rows] keep their LSE)
+    merge_ptr,  # [num_merge, 5] int32: token, first part row, split stride, num splits, keep_lse
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     lse_ptr,  # [num_tokens, num_q_heads] fp32
-    num_full_rows,
     stride_part_row,
     stride_part_head,
     stride_plse_row,
@@ -162,52 +160,56 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (merged token, query head): softmax-weighted sum of the splits' outputs."""
-    item = tl.program_id(0)
+    """One program per (merge entry, query head): softmax-weighted sum of the splits' outputs. Entries
+    with `num_splits = 0` are padding (fixed grids) and write nothing."""
+    item = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    token = tl.load(merge_ptr + item * 4)
-    part0 = tl.load(merge_ptr + item * 4 + 1)
-    split_stride = tl.load(merge_ptr + item * 4 + 2)
-    num_splits = tl.load(merge_ptr + item * 4 + 3)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
+    num_splits = tl.load(merge_ptr + item * 5 + 3)
+    if num_splits > 0:
+        token = tl.load(merge_ptr + item * 5)
+        part0 = tl.load(merge_ptr + item * 5 + 1)
+        split_stride = tl.load(merge_ptr + item * 5 + 2)
+        keep_lse = tl.load(merge_ptr + item * 5 + 4)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < HEAD_DIM
 
-    m = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)  # sum of the split weights
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        row = (part0 + s * split_stride).to(tl.int64)
-        lse_s = tl.load(part_lse_ptr + row * stride_plse_row + head + tl.zeros([1], tl.int32)) * 1.4426950408889634
-        o_s = tl.load(part_out_ptr + row * stride_part_row + head * stride_part_head + offs_d, mask=d_valid, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse_s - m_safe)
-        acc = acc * alpha + w * o_s
-        total = total * alpha + w
-        m = m_new
-    total_safe = tl.where(total > 0.0, total, 1.0)
-    out = acc / total_safe
-    lse = tl.where(total > 0.0, (m + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
-    num_full_tokens = tl.load(query_start_ptr + num_full_rows)
-    lse = tl.where(token < num_full_tokens, lse, float("-inf"))
-    tok = token.to(tl.int64)
-    tl.store(
-        out_ptr + tok * stride_out_tok + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_valid
-    )
-    tl.store(lse_ptr + tok * stride_lse_tok + head + tl.zeros([1], tl.int32), lse)
+        m = tl.full([1], float("-inf"), tl.float32)
+        total = tl.zeros([1], tl.float32)  # sum of the split weights
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s in range(0, num_splits):
+            row = (part0 + s * split_stride).to(tl.int64)
+            lse_s = tl.load(part_lse_ptr + row * stride_plse_row + head + tl.zeros([1], tl.int32)) * 1.4426950408889634
+            o_s = tl.load(
+                part_out_ptr + row * stride_part_row + head * stride_part_head + offs_d, mask=d_valid, other=0.0
+            )
+            m_new = tl.maximum(m, lse_s)
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse_s - m_safe)
+            acc = acc * alpha + w * o_s
+            total = total * alpha + w
+            m = m_new
+        total_safe = tl.where(total > 0.0, total, 1.0)
+        out = acc / total_safe
+        lse = tl.where(total > 0.0, (m + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(keep_lse != 0, lse, float("-inf"))
+        tok = token.to(tl.int64)
+        tl.store(
+            out_ptr + tok * stride_out_tok + head * stride_out_head + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d_valid,
+        )
+        tl.store(lse_ptr + tok * stride_lse_tok + head + tl.zeros([1], tl.int32), lse)
 
 
 def merge_splits(
     plan,  # AttentionPlan
     part_out: torch.Tensor,  # [num_part_rows, num_q_heads, head_dim] fp32
     part_lse: torch.Tensor,  # [num_part_rows, num_q_heads] fp32
-    query_start: torch.Tensor,  # [num_rows + 1] int32
-    num_full_rows: int,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     lse: torch.Tensor,  # [num_tokens, num_q_heads] fp32
 ) -> None:
-    """Launch the merge of the plan's split tiles into `out`/`lse` (nothing when no tile was split)."""
+    """Launch the merge of the plan's split tiles into `out`/`lse` (nothing when the plan has no entry)."""
     if plan.num_merge == 0:
         return
     num_q_heads, head_dim = out.shape[1:]
@@ -215,10 +217,8 @@ def merge_splits(
         part_out,
         part_lse,
         plan.merge,
-        query_start,
         out,
         lse,
-        num_full_rows,
         part_out.stride(0),
         part_out.stride(1),
         part_lse.stride(0),

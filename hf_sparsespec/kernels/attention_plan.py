@@ -3,17 +3,23 @@
 Why a plan: one request with a 32K context and 255 drafting requests with 1K keys each must not be
 one program per row (the long row would run alone at the end), and the kernels must not read lengths
 back to the host every layer. So once per engine step, from host-side lengths, the work is cut into
-items of about equal key counts, and every layer's launch reuses the uploaded list.
+items of about equal key counts (vectorised with numpy), and every layer's launch reuses the list.
 
 A work item is `(row, q_begin, key_begin, key_end, part_row)`:
-- `row` owns queries `query_start[row] + q_begin ...` (a tile of up to `BLOCK_M // group` queries for
-  full rows, the single query for draft rows) and attends its key indices `[key_begin, key_end)`;
-  for full rows key index = position, for draft rows the selected positions come first, then the
-  recent window (`sparse_attention`);
+- `row` owns queries `query_start[row] + q_begin ...` (a tile of up to `BLOCK_M // group` queries) of
+  a full (causal) row, or, when `q_begin = -1`, the single query of a draft row; it attends its key
+  indices `[key_begin, key_end)`: for full rows key index = position, for draft rows the selected
+  positions come first, then the recent window (`sparse_attention`);
 - `part_row = -1`: the item covers all its tile's keys and writes `out`/`lse` directly; otherwise it
   writes fp32 partial rows `part_row + i` (query `i` of the tile), and the merge kernel combines the
-  splits of each query: merge entry `(token, first_part_row, split_stride, num_splits)`.
+  splits of each query: merge entry `(token, first_part_row, split_stride, num_splits, keep_lse)`
+  (`keep_lse = 0` for draft tokens, whose LSE is reported as -inf);
+- `row = -1` (work) or `num_splits = 0` (merge): padding, a no-op.
 The grid is `(num_work, num_kv_heads)`: every (work item, KV head) pair is one program.
+
+Fixed grids (CUDA graphs): `plan_capacity` bounds the work items, merge entries and partial rows of
+any batch of a given shape, so a captured launch can keep its grid while the lists change each step
+(`plan_work_lists(..., capacity=...)` pads them with no-op entries).
 
 Invariant: a plan is only valid with the lengths it was made from (the kernels read the same
 `query_start`/`context_lens`/`num_selected`/`recent_start` from device tensors).
@@ -21,9 +27,9 @@ Invariant: a plan is only valid with the lengths it was made from (the kernels r
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_sparsespec.kernels._checks import next_power_of_2
@@ -39,6 +45,17 @@ MIN_KEYS_PER_FULL_SPLIT = 1024
 PROGRAMS_PER_SM = 4
 # The largest packed query tile (queries x GQA group) of full rows.
 MAX_BLOCK_M = 128
+WORK_FIELDS = 5
+MERGE_FIELDS = 5
+
+
+@dataclass(frozen=True)
+class PlanCapacity:
+    """Upper bounds of a plan's lists for batches of one shape (see `plan_capacity`)."""
+
+    num_work: int
+    num_merge: int
+    num_part_rows: int
 
 
 @dataclass
@@ -46,13 +63,14 @@ class AttentionPlan:
     """Device work lists of one attention launch (see the module docstring)."""
 
     work: torch.Tensor  # [num_work, 5] int32: row, q_begin, key_begin, key_end, part_row
-    merge: torch.Tensor  # [num_merge, 4] int32: token, first part row, split stride, num splits
+    merge: torch.Tensor  # [num_merge, 5] int32: token, first part row, split stride, num splits, keep_lse
     num_part_rows: int
     block_m_full: int  # packed (query, head) rows of a full-row tile
     block_m_draft: int  # packed rows of a draft tile (the GQA group, padded to >= 16)
     group: int
     num_kv_heads: int
-    _workspace: dict = field(default_factory=dict, repr=False)
+    part_out: torch.Tensor | None = None  # [>= num_part_rows, num_q_heads, head_dim] fp32, or allocated lazily
+    part_lse: torch.Tensor | None = None  # [>= num_part_rows, num_q_heads] fp32
 
     @property
     def num_work(self) -> int:
@@ -63,30 +81,147 @@ class AttentionPlan:
         return self.merge.shape[0]
 
     def workspace(self, num_q_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 partial outputs `[num_part_rows, num_q_heads, head_dim]` and LSEs `[num_part_rows, num_q_heads]`,
-        allocated once and shared by every layer that uses this plan (layers run one after another)."""
-        key = (num_q_heads, head_dim, device)
-        if key not in self._workspace:
+        """fp32 partial outputs `[rows, num_q_heads, head_dim]` and LSEs `[rows, num_q_heads]`, given or
+        allocated once, shared by every layer that uses this plan (layers run one after another)."""
+        if self.part_out is None:
             rows = max(self.num_part_rows, 1)
-            self._workspace[key] = (
-                torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=device),
-                torch.empty((rows, num_q_heads), dtype=torch.float32, device=device),
-            )
-        return self._workspace[key]
+            self.part_out = torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
+            self.part_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
+        return self.part_out, self.part_lse
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: small, so that tests exercise splits
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list to a device int32 tensor without a host sync (pinned staging, async copy)."""
-    host = torch.tensor(values, dtype=torch.int32)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+def block_sizes(max_full_q: int, group: int) -> tuple[int, int]:
+    """`(block_m_full, block_m_draft)`: packed tile rows for full rows of up to `max_full_q` queries
+    and for one-query draft rows."""
+    min_block = max(16, next_power_of_2(group))
+    return max(min_block, min(MAX_BLOCK_M, next_power_of_2(max(max_full_q, 1) * group))), min_block
+
+
+def target_items(num_kv_heads: int, device: torch.device, target_programs: int | None = None) -> int:
+    """Work items the decomposition aims for (programs over KV heads)."""
+    if target_programs is None:
+        target_programs = PROGRAMS_PER_SM * num_sms(device)
+    return max(1, target_programs // max(num_kv_heads, 1))
+
+
+def plan_capacity(max_tiles: int, max_tokens: int, tile_q: int, items: int) -> PlanCapacity:
+    """Bounds for any batch of at most `max_tiles` query tiles and `max_tokens` tokens.
+
+    A tile is split only when it has more than `chunk >= total_keys / items` keys, into at most
+    `ceil(keys / chunk) <= 2 keys / chunk` pieces, so the splits of all tiles number at most `2 * items`.
+    """
+    return PlanCapacity(num_work=max_tiles + 2 * items, num_merge=max_tokens, num_part_rows=tile_q * 2 * items)
+
+
+def plan_work_lists(
+    query_start,
+    context_lens,
+    num_full_rows: int,
+    num_selected,
+    recent_start,
+    *,
+    group: int,
+    block_m_full: int,
+    items: int,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+    min_keys_per_full_split: int = MIN_KEYS_PER_FULL_SPLIT,
+    capacity: PlanCapacity | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """`(work [n, 5], merge [m, 5], num_part_rows)` int32 arrays for one batch (host, vectorised).
+
+    Args: host sequences (lists or arrays) of `num_rows + 1` query offsets and `num_rows` context
+    lengths / selected counts / recent starts; rows `[0, num_full_rows)` attend fully and causally, the
+    rest are one-query draft rows. `capacity`: pad both lists to its sizes with no-op entries (and
+    check the bounds).
+    """
+    query_start = np.asarray(query_start, dtype=np.int64)
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    num_rows = context_lens.shape[0]
+    if query_start.shape[0] != num_rows + 1:
+        raise ValueError(f"query_start: expected {num_rows + 1} offsets, got {query_start.shape[0]}")
+    q_lens = np.diff(query_start)
+    if np.any(q_lens[num_full_rows:] != 1):
+        bad = num_full_rows + int(np.argmax(q_lens[num_full_rows:] != 1))
+        raise ValueError(f"draft row {bad}: expected 1 query, got {int(q_lens[bad])}")
+    tile_q = block_m_full // group
+
+    # Tiles of full rows: (row, q_begin, queries, keys the tile needs); causal: the tile's last
+    # query sits at context_len - q_len + q_begin + num_q - 1.
+    tiles_per_row = -(-q_lens[:num_full_rows] // tile_q)
+    full_row = np.repeat(np.arange(num_full_rows), tiles_per_row)
+    first_tile = np.repeat(np.cumsum(tiles_per_row) - tiles_per_row, tiles_per_row)
+    full_q_begin = (np.arange(full_row.shape[0]) - first_tile) * tile_q
+    full_num_q = np.minimum(tile_q, q_lens[full_row] - full_q_begin)
+    full_keys = context_lens[full_row] - q_lens[full_row] + full_q_begin + full_num_q
+    # Draft rows: one query; selected keys plus the recent window.
+    draft_row = np.arange(num_full_rows, num_rows)
+    draft_keys = np.asarray(num_selected, dtype=np.int64)[num_full_rows:] + context_lens[num_full_rows:]
+    draft_keys = draft_keys - np.asarray(recent_start, dtype=np.int64)[num_full_rows:]
+
+    row = np.concatenate([full_row, draft_row])
+    q_begin = np.concatenate([full_q_begin, np.full(draft_row.shape[0], -1)])
+    num_q = np.concatenate([full_num_q, np.ones(draft_row.shape[0], dtype=np.int64)])
+    num_keys = np.maximum(np.concatenate([full_keys, draft_keys]), 1)
+    is_full = q_begin >= 0
+
+    chunk = -(-int(num_keys.sum()) // items) if num_keys.size else 1
+    floor = np.where(is_full, min_keys_per_full_split, min_keys_per_split)
+    num_splits = np.maximum(1, -(-num_keys // np.maximum(chunk, floor)))
+    size = -(-num_keys // num_splits)
+    size = np.where(size > KEY_ALIGN, -(-size // KEY_ALIGN) * KEY_ALIGN, size)
+    num_splits = -(-num_keys // size)
+    split = num_splits > 1
+
+    # Whole tiles write out/lse directly.
+    whole = np.stack([row, q_begin, np.zeros_like(row), num_keys, np.full_like(row, -1)], axis=1)[~split]
+    # Split tiles: piece s covers keys [s * size, (s + 1) * size) and writes partial rows.
+    s_rows, s_splits, s_num_q = row[split], num_splits[split], num_q[split]
+    part_base = np.cumsum(s_splits * s_num_q) - s_splits * s_num_q
+    piece_tile = np.repeat(np.arange(s_rows.shape[0]), s_splits)
+    piece = np.arange(piece_tile.shape[0]) - np.repeat(np.cumsum(s_splits) - s_splits, s_splits)
+    s_size, s_keys = size[split][piece_tile], num_keys[split][piece_tile]
+    pieces = np.stack(
+        [
+            s_rows[piece_tile],
+            q_begin[split][piece_tile],
+            piece * s_size,
+            np.minimum((piece + 1) * s_size, s_keys),
+            part_base[piece_tile] + piece * s_num_q[piece_tile],
+        ],
+        axis=1,
+    )
+    work = np.concatenate([whole, pieces])
+    # Longest items first, so the short ones fill the tail of the grid.
+    work = work[np.argsort(work[:, 2] - work[:, 3], kind="stable")]
+    # Merge entries: one per query of a split tile.
+    query_tile = np.repeat(np.arange(s_rows.shape[0]), s_num_q)
+    query = np.arange(query_tile.shape[0]) - np.repeat(np.cumsum(s_num_q) - s_num_q, s_num_q)
+    merge = np.stack(
+        [
+            query_start[s_rows][query_tile] + np.maximum(q_begin[split][query_tile], 0) + query,
+            part_base[query_tile] + query,
+            s_num_q[query_tile],
+            s_splits[query_tile],
+            is_full[split][query_tile].astype(np.int64),
+        ],
+        axis=1,
+    )
+    num_part_rows = int((s_splits * s_num_q).sum())
+    if capacity is not None:
+        if work.shape[0] > capacity.num_work or merge.shape[0] > capacity.num_merge:
+            raise AssertionError(f"plan exceeds its capacity {capacity}: {work.shape[0]} items, {merge.shape[0]} merges")
+        if num_part_rows > capacity.num_part_rows:
+            raise AssertionError(f"plan exceeds its capacity {capacity}: {num_part_rows} partial rows")
+        work = np.concatenate([work, np.tile([[-1, 0, 0, 0, -1]], (capacity.num_work - work.shape[0], 1))])
+        merge = np.concatenate([merge, np.zeros((capacity.num_merge - merge.shape[0], MERGE_FIELDS), np.int64)])
+        num_part_rows = capacity.num_part_rows
+    return work.astype(np.int32).reshape(-1, WORK_FIELDS), merge.astype(np.int32).reshape(-1, MERGE_FIELDS), num_part_rows
 
 
 def plan_attention(
@@ -103,7 +238,7 @@ def plan_attention(
     min_keys_per_full_split: int | None = None,
     target_programs: int | None = None,
 ) -> AttentionPlan:
-    """Cut one mixed batch (full rows first, then one-query draft rows) into work items.
+    """Cut one mixed batch (full rows first, then one-query draft rows) into work items, uploaded.
 
     Args:
         query_start: `num_rows + 1` token offsets.
@@ -122,57 +257,21 @@ def plan_attention(
         )
     elif min_keys_per_full_split is None:
         min_keys_per_full_split = min_keys_per_split
-    num_rows = len(context_lens)
-    if len(query_start) != num_rows + 1:
-        raise ValueError(f"query_start: expected {num_rows + 1} offsets, got {len(query_start)}")
-    q_lens = [query_start[r + 1] - query_start[r] for r in range(num_rows)]
-    max_full_q = max(q_lens[:num_full_rows], default=1)
-    min_block = max(16, next_power_of_2(group))
-    block_m_full = max(min_block, min(MAX_BLOCK_M, next_power_of_2(max(max_full_q, 1) * group)))
-    block_m_draft = min_block
-    tile_q = block_m_full // group
-
-    # Tiles: (row, q_begin, queries in tile, keys the tile needs).
-    tiles: list[tuple[int, int, int, int]] = []
-    for r in range(num_full_rows):
-        for q_begin in range(0, q_lens[r], tile_q):
-            num_q = min(tile_q, q_lens[r] - q_begin)
-            # Causal: the tile's last query sits at context_len - q_len + q_begin + num_q - 1.
-            tiles.append((r, q_begin, num_q, context_lens[r] - q_lens[r] + q_begin + num_q))
-    for r in range(num_full_rows, num_rows):
-        if q_lens[r] != 1:
-            raise ValueError(f"draft row {r}: expected 1 query, got {q_lens[r]}")
-        tiles.append((r, 0, 1, num_selected[r] + context_lens[r] - recent_start[r]))
-
-    total_keys = sum(t[3] for t in tiles)
-    if target_programs is None:
-        target_programs = PROGRAMS_PER_SM * _num_sms(device)
-    target_items = max(1, target_programs // max(num_kv_heads, 1))
-    chunk = math.ceil(total_keys / target_items)
-
-    work: list[tuple[int, int, int, int, int]] = []
-    merge: list[list[int]] = []
-    num_part_rows = 0
-    for row, q_begin, num_q, num_keys in tiles:
-        floor = min_keys_per_full_split if row < num_full_rows else min_keys_per_split
-        num_splits = max(1, math.ceil(num_keys / max(chunk, floor)))
-        if num_splits == 1:
-            work.append((row, q_begin, 0, num_keys, -1))
-            continue
-        size = math.ceil(num_keys / num_splits)
-        size = math.ceil(size / KEY_ALIGN) * KEY_ALIGN if size > KEY_ALIGN else size
-        num_splits = math.ceil(num_keys / size)
-        for s in range(num_splits):
-            work.append((row, q_begin, s * size, min((s + 1) * size, num_keys), num_part_rows + s * num_q))
-        token = query_start[row] + q_begin
-        merge.extend([token + i, num_part_rows + i, num_q, num_splits] for i in range(num_q))
-        num_part_rows += num_splits * num_q
-    # Longest items first, so the short ones fill the tail of the grid.
-    work.sort(key=lambda item: item[2] - item[3])
-    lists = _upload([v for w in work for v in w] + [v for m in merge for v in m], device)
+    q_lens = np.diff(np.asarray(query_start))
+    block_m_full, block_m_draft = block_sizes(int(q_lens[:num_full_rows].max(initial=1)), group)
+    work, merge, num_part_rows = plan_work_lists(
+        query_start, context_lens, num_full_rows, num_selected, recent_start, group=group,
+        block_m_full=block_m_full, items=target_items(num_kv_heads, torch.device(device), target_programs),
+        min_keys_per_split=min_keys_per_split, min_keys_per_full_split=min_keys_per_full_split,
+    )  # fmt: skip
+    lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)]))
+    if torch.device(device).type == "cuda":
+        lists = lists.pin_memory().to(device, non_blocking=True)
+    else:
+        lists = lists.to(device)
     return AttentionPlan(
-        work=lists[: 5 * len(work)].view(-1, 5),
-        merge=lists[5 * len(work) :].view(-1, 4),
+        work=lists[: work.size].view(-1, WORK_FIELDS),
+        merge=lists[work.size :].view(-1, MERGE_FIELDS),
         num_part_rows=num_part_rows,
         block_m_full=block_m_full,
         block_m_draft=block_m_draft,
@@ -192,8 +291,7 @@ def plan_from_tensors(
     num_kv_heads: int,
 ) -> AttentionPlan:
     """A plan made by reading the lengths back to the host (a sync): for tests and one-off calls."""
-    num_rows = context_lens.shape[0]
-    zeros = [0] * num_rows
+    zeros = [0] * context_lens.shape[0]
     return plan_attention(
         query_start.tolist(),
         context_lens.tolist(),
@@ -204,3 +302,4 @@ def plan_from_tensors(
         num_kv_heads=num_kv_heads,
         device=context_lens.device,
     )
+

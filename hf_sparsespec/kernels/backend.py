@@ -2,9 +2,9 @@
 
 `TorchBackend` runs the float32 references (the CPU backend and the oracle); `TritonBackend` runs
 the Triton kernels (CUDA, or the CPU interpreter under `TRITON_INTERPRET=1`). Both expose the same
-calls: `plan` once per engine step (host-side lengths in, an opaque plan out, no device reads), then
-per layer `store_kv`, `mixed_attention` and `pillar_select`, each taking that plan (`plan=None`:
-the backend plans for itself, which may sync; for tests).
+per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` when `needs_plan`)
+and `update_selection` (PillarAttn: score the verification rows' keys and write each row's top keys
+into the selected-index store). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ from typing import Protocol
 import torch
 
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
-from hf_sparsespec.kernels.pillar_select import pillar_select_ref
+from hf_sparsespec.kernels.pillar_select import update_selection_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
 
 
 class AttentionBackend(Protocol):
     name: str
-
-    def plan(self, host) -> object:
-        """Once per step. `host` has `query_start: list[int]` (len R+1), `context_lens: list[int]`,
-        `num_full_rows: int`, `num_selected: list[int]`, `recent_start: list[int]`, `device`."""
-        ...
+    needs_plan: bool  # whether `mixed_attention` takes an `AttentionPlan` (built by the batch builder)
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None: ...
 
@@ -33,19 +29,16 @@ class AttentionBackend(Protocol):
         recent_start, selected, selection_slot, num_selected, scale, plan=None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
-    def pillar_select(
-        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets,
-        max_num_old_keys, max_budget, scale, plan=None,
-    ) -> torch.Tensor: ...  # fmt: skip
+    def update_selection(
+        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+    ) -> None: ...  # fmt: skip
 
 
 class TorchBackend:
     """Float32 torch references; correct anywhere, fast nowhere (loops over requests on the host)."""
 
     name = "torch"
-
-    def plan(self, host) -> None:
-        return None
+    needs_plan = False
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -59,13 +52,11 @@ class TorchBackend:
             recent_start, selected, selection_slot, num_selected, scale,
         )  # fmt: skip
 
-    def pillar_select(
-        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets,
-        max_num_old_keys, max_budget, scale, plan=None,
-    ) -> torch.Tensor:  # fmt: skip
-        return pillar_select_ref(
-            query, k_cache, page_table, query_start, lse, num_old_keys, budgets, max_num_old_keys, max_budget, scale
-        )
+    def update_selection(
+        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+    ) -> None:  # fmt: skip
+        update_selection_ref(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots,
+                             scores, scale)  # fmt: skip
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -39,10 +39,11 @@ def mixed_attention_ref(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: `(out [num_tokens, num_q_heads, head_dim], lse [num_tokens, num_q_heads] float32)`;
-    the LSE of draft tokens is left at -inf (only verification rows need it)."""
+    the LSE of draft tokens is left at -inf (only verification rows need it). Rows past the full
+    ones with a context of 0 are padding (their tokens' outputs are 0), as are tokens of no row."""
     num_tokens, num_q_heads, _ = query.shape
     num_full_tokens = int(query_start[num_full_rows])
-    out = torch.empty_like(query)
+    out = torch.zeros_like(query)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=query.device)
     if num_full_rows > 0:
         out[:num_full_tokens], lse[:num_full_tokens] = paged_attention_ref(
@@ -54,23 +55,26 @@ def mixed_attention_ref(
             context_lens[:num_full_rows],
             scale,
         )
-    if num_tokens > num_full_tokens:
-        out[num_full_tokens:] = sparse_draft_attention_ref(
-            query[num_full_tokens:],
+    rows = [r for r, n in enumerate(context_lens.tolist()) if r >= num_full_rows and n > 0]
+    if rows:
+        rows = torch.tensor(rows, device=query.device)
+        tokens = query_start[rows].long()
+        out[tokens] = sparse_draft_attention_ref(
+            query[tokens],
             k_cache,
             v_cache,
-            page_table[num_full_rows:],
-            context_lens[num_full_rows:],
-            recent_start[num_full_rows:],
+            page_table[rows],
+            context_lens[rows],
+            recent_start[rows],
             selected,
-            selection_slot[num_full_rows:],
-            num_selected[num_full_rows:],
+            selection_slot[rows],
+            num_selected[rows],
             scale,
         )
     return out, lse
 
 
-@triton.jit(do_not_specialize=["num_full_rows"])
+@triton.jit
 def _mixed_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -82,12 +86,11 @@ def _mixed_attention_kernel(
     selected_ptr,  # [num_slots, num_kv_heads, max_budget] int32
     selection_slot_ptr,  # [num_rows] int32
     num_selected_ptr,  # [num_rows] int32
-    work_ptr,  # [num_work, 5] int32: row, q_begin, key_begin, key_end, part_row
+    work_ptr,  # [num_work, 5] int32: row (-1 padding), q_begin (-1 draft), key_begin, key_end, part_row
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     lse_ptr,  # [num_tokens, num_q_heads] fp32
     part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
     part_lse_ptr,  # [num_part_rows, num_q_heads] fp32
-    num_full_rows,
     stride_q_tok,
     stride_q_head,
     stride_cache_page,
@@ -117,23 +120,24 @@ def _mixed_attention_kernel(
     key_begin = tl.load(work_ptr + item * 5 + 2)
     key_end = tl.load(work_ptr + item * 5 + 3)
     part_row = tl.load(work_ptr + item * 5 + 4)
-    if row < num_full_rows:
-        _full_item(
-            q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start_ptr, context_lens_ptr,
-            out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, q_begin, key_begin, key_end, part_row, kv_head,
-            stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
-            stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
-            GROUP, BLOCK_M_FULL, BLOCK_N_FULL, BLOCK_D, HEAD_DIM, PAGE_SIZE, INPUT_PRECISION,
-        )  # fmt: skip
-    else:
-        _draft_item(
-            q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
-            selection_slot_ptr, num_selected_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-            row, tl.load(query_start_ptr + row), key_begin, key_end, part_row, kv_head,
-            stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
-            stride_sel_slot, stride_sel_head, stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
-            GROUP, BLOCK_M_DRAFT, BLOCK_N_DRAFT, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION,
-        )  # fmt: skip
+    if row >= 0:  # row -1: a padding item of a fixed grid
+        if q_begin >= 0:  # a tile of a full (prefill / verification) row
+            _full_item(
+                q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start_ptr, context_lens_ptr,
+                out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, q_begin, key_begin, key_end, part_row, kv_head,
+                stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
+                stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
+                GROUP, BLOCK_M_FULL, BLOCK_N_FULL, BLOCK_D, HEAD_DIM, PAGE_SIZE, INPUT_PRECISION,
+            )  # fmt: skip
+        else:  # q_begin -1: the query of a draft row
+            _draft_item(
+                q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
+                selection_slot_ptr, num_selected_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                row, tl.load(query_start_ptr + row), key_begin, key_end, part_row, kv_head,
+                stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
+                stride_sel_slot, stride_sel_head, stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
+                GROUP, BLOCK_M_DRAFT, BLOCK_N_DRAFT, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION,
+            )  # fmt: skip
 
 
 def mixed_attention(
@@ -190,7 +194,7 @@ def mixed_attention(
     config = launch_config("mixed", head_dim)
     _mixed_attention_kernel[(plan.num_work, num_kv_heads)](
         query, k_cache, v_cache, page_table, query_start, context_lens, recent_start, selected, selection_slot,
-        num_selected, plan.work, out, lse, part_out, part_lse, num_full_rows,
+        num_selected, plan.work, out, lse, part_out, part_lse,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), selected.stride(0), selected.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         scale * LOG2E,
@@ -199,5 +203,5 @@ def mixed_attention(
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    merge_splits(plan, part_out, part_lse, query_start, num_full_rows, out, lse)
+    merge_splits(plan, part_out, part_lse, out, lse)
     return out, lse

@@ -165,13 +165,14 @@ def _paged_attention_kernel(
     key_begin = tl.load(work_ptr + item * 5 + 2)
     key_end = tl.load(work_ptr + item * 5 + 3)
     part_row = tl.load(work_ptr + item * 5 + 4)
-    _full_item(
-        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start_ptr, context_lens_ptr,
-        out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, q_begin, key_begin, key_end, part_row, kv_head,
-        stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
-        stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
-        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, INPUT_PRECISION,
-    )  # fmt: skip
+    if row >= 0:  # row -1: a padding item of a fixed grid
+        _full_item(
+            q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start_ptr, context_lens_ptr,
+            out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, row, q_begin, key_begin, key_end, part_row, kv_head,
+            stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
+            stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, INPUT_PRECISION,
+        )  # fmt: skip
 
 
 def check_rows(
@@ -235,5 +236,5 @@ def paged_attention(
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    merge_splits(plan, part_out, part_lse, query_start, num_rows, out, lse)
+    merge_splits(plan, part_out, part_lse, out, lse)
     return out, lse

@@ -6,13 +6,18 @@ softmax probability `exp(scale * q . k_j - lse)`, for the keys older than the bl
 (`j < num_old_keys[r]`, which every query of the block sees). The selection holds the
 `budgets[r]` best keys, as positions sorted ascending, padded with -1 up to `max_budget`.
 
-Triton (`pillar_scores`): a second pass after the verify attention, as the reference implementation
-does: it reloads Q and K (not V) and turns logits into exact probabilities with the attention's final
-LSE. It cannot be fused into the attention pass: a probability needs the row's *final* LSE, known only
-after every key (and every split) was seen, and keeping the raw logits (queries x heads x keys) would
-move about as many bytes as K itself. One program per (row, KV head, chunk of keys); a row's packed
-tile (its queries x the group's heads) usually fits one `tl.dot` tile, so each K block is read once
-and reduced over all of the tile's rows in registers. No host syncs: the grid depends only on shapes.
+Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
+- `pillar_scores`: a second pass after the verify attention, as the reference implementation does:
+  it reloads Q and K (not V) and turns logits into exact probabilities with the attention's final
+  LSE. It cannot be fused into the attention pass: a probability needs the row's *final* LSE, known
+  only after every key (and every split) was seen, and keeping the raw logits (queries x heads x keys)
+  would move about as many bytes as K itself. Programs `(row, KV head, c)` loop over the key chunks
+  `c, c + C, ...` of their row; a row's packed tile (its queries x the group's heads) usually fits one
+  `tl.dot` tile, so each K block is read once and reduced over all of the tile's rows in registers.
+- `select_top_keys_into`: one program per (row, KV head) finds the B-th largest score by a 16-way
+  search on the scores' bit patterns (non-negative floats order like their int32 bits; 8 passes
+  narrow 2^31 candidates to one), then writes the positions of the top B, ascending, straight into
+  the selected-index store at the row's slot. Ties at the threshold go to the lowest positions.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hf_sparsespec.kernels._checks import (
     next_power_of_2,
 )
 from hf_sparsespec.kernels._paging import gather_context
+from hf_sparsespec.kernels.attention_plan import PROGRAMS_PER_SM, num_sms
 
 
 def pillar_scores_ref(
@@ -111,8 +117,7 @@ def _pillar_scores_kernel(
     query_start_ptr,  # [num_rows + 1] int32
     lse_ptr,  # [num_tokens, num_q_heads] fp32, natural log
     num_old_keys_ptr,  # [num_rows] int32
-    scores_ptr,  # [num_rows, num_kv_heads, max_num_old_keys] fp32
-    max_num_old_keys,
+    scores_ptr,  # [num_rows, num_kv_heads, width] fp32 (written at j < num_old_keys[row])
     stride_q_tok,
     stride_q_head,
     stride_cache_page,
@@ -134,7 +139,8 @@ def _pillar_scores_kernel(
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    chunk = tl.program_id(2)
+    first_chunk = tl.program_id(2)
+    chunk_step = tl.num_programs(2)
     q0 = tl.load(query_start_ptr + row)
     q_len = tl.load(query_start_ptr + row + 1) - q0
     num_old = tl.load(num_old_keys_ptr + row)
@@ -150,36 +156,91 @@ def _pillar_scores_kernel(
     page_row_ptr = page_table_ptr + row.to(tl.int64) * stride_pt_row
     k_base = k_cache_ptr + kv_head * stride_cache_head
     score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
-    key_lo = chunk * KEYS_PER_PROGRAM
-    key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, max_num_old_keys)
     num_q_tiles = tl.maximum(tl.cdiv(q_len, BLOCK_M // GROUP), 1)
-    # Usually one query tile; with more, the chunk's partial sums wait in `scores` between tiles.
-    for q_tile in range(0, num_q_tiles):
-        tile_q = q_tile * (BLOCK_M // GROUP) + q_idx  # (BLOCK_M,) query of the row
-        m_valid = (q_idx < BLOCK_M // GROUP) & (tile_q < q_len)  # rows past the last whole query: padding
-        tok = (q0 + tile_q).to(tl.int64)
-        q = tl.load(
-            q_ptr + (tok * stride_q_tok + q_head * stride_q_head)[:, None] + offs_d[None, :],
-            mask=m_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )  # Q: (BLOCK_M, BLOCK_D)
-        lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
-        is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
-        for start in range(key_lo, key_hi, BLOCK_N):
-            key = start + offs_n  # (BLOCK_N,) positions
-            in_range = key < key_hi
-            n_valid = key < num_old
-            page = tl.load(page_row_ptr + key // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
-            k_offs = (page * stride_cache_page + (key % PAGE_SIZE) * stride_cache_slot)[:, None] + offs_d[None, :]
-            k = tl.load(k_base + k_offs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # K: (BLOCK_N, BLOCK_D)
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # S: (BLOCK_M, BLOCK_N)
-            p = tl.where(m_valid[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-            total = tl.sum(p, axis=0)  # (BLOCK_N,)
-            if q_tile > 0:
-                total += tl.load(score_row_ptr + key, mask=in_range & n_valid, other=0.0)
-            total = tl.where(is_last, total * inv_count, total)
-            total = tl.where(n_valid, total, float("-inf"))
-            tl.store(score_row_ptr + key, total, mask=in_range)
+    for chunk in range(first_chunk, tl.cdiv(num_old, KEYS_PER_PROGRAM), chunk_step):
+        key_lo = chunk * KEYS_PER_PROGRAM
+        key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
+        # Usually one query tile; with more, the chunk's partial sums wait in `scores` between tiles.
+        for q_tile in range(0, num_q_tiles):
+            tile_q = q_tile * (BLOCK_M // GROUP) + q_idx  # (BLOCK_M,) query of the row
+            m_valid = (q_idx < BLOCK_M // GROUP) & (tile_q < q_len)  # rows past the last whole query: padding
+            tok = (q0 + tile_q).to(tl.int64)
+            q = tl.load(
+                q_ptr + (tok * stride_q_tok + q_head * stride_q_head)[:, None] + offs_d[None, :],
+                mask=m_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )  # Q: (BLOCK_M, BLOCK_D)
+            lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
+            is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
+            for start in range(key_lo, key_hi, BLOCK_N):
+                key = start + offs_n  # (BLOCK_N,) positions
+                n_valid = key < key_hi
+                page = tl.load(page_row_ptr + key // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+                k_offs = (page * stride_cache_page + (key % PAGE_SIZE) * stride_cache_slot)[:, None] + offs_d[None, :]
+                k = tl.load(k_base + k_offs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # K: (BLOCK_N, BLOCK_D)
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # S: (BLOCK_M, BLOCK_N)
+                p = tl.where(m_valid[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+                total = tl.sum(p, axis=0)  # (BLOCK_N,)
+                if q_tile > 0:
+                    total += tl.load(score_row_ptr + key, mask=n_valid, other=0.0)
+                total = tl.where(is_last, total * inv_count, total)
+                tl.store(score_row_ptr + key, total, mask=n_valid)
+
+
+def _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys) -> int:
+    """The GQA group, after checking the scoring inputs."""
+    check_cache_pair(k_cache)
+    group = check_query_heads(query, k_cache)
+    if query.dtype != k_cache.dtype:
+        raise TypeError(f"query: expected the cache dtype {k_cache.dtype}, got {query.dtype}")
+    device = query.device
+    num_tokens, num_q_heads, _ = query.shape
+    check_tensor("page_table", page_table, ndim=2, dtypes=INDEX, device=device)
+    num_rows = page_table.shape[0]
+    check_tensor("query_start", query_start, dtypes=INDEX, device=device, shape=(num_rows + 1,))
+    check_tensor("lse", lse, dtypes=(torch.float32,), device=device, shape=(num_tokens, num_q_heads))
+    check_tensor("num_old_keys", num_old_keys, dtypes=INDEX, device=device, shape=(num_rows,))
+    return group
+
+
+def pillar_scores_into(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    lse: torch.Tensor,
+    num_old_keys: torch.Tensor,
+    scores: torch.Tensor,
+    scale: float,
+) -> None:
+    """Triton scores of `pillar_scores_ref` written into `scores [num_rows, num_kv_heads, width]` at
+    `j < num_old_keys[r]` (the rest is left as it was). Every other argument as `pillar_scores`;
+    `num_old_keys[r] <= width`. The grid depends only on the shapes (CUDA-graph safe)."""
+    group = _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys)
+    num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[2]
+    check_tensor("scores", scores, dtypes=(torch.float32,), device=query.device, shape=(num_rows, num_kv_heads, None))
+    if scores.stride(-1) != 1:
+        raise ValueError(f"scores: expected a unit-stride last dimension, got strides {scores.stride()}")
+    if num_rows == 0 or scores.shape[2] == 0:
+        return
+    num_tokens, _, head_dim = query.shape
+    query, page_table, lse = last_dim_contiguous(query), last_dim_contiguous(page_table), last_dim_contiguous(lse)
+    # The tile holds a whole verification block when the rows are even (k+1 queries each); from the
+    # shapes alone, so no sync. Larger blocks loop over query tiles.
+    mean_q = max(1, -(-num_tokens // num_rows))
+    block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(mean_q * group)))
+    config = launch_config("score", head_dim)
+    keys_per_program = config["KEYS_PER_PROGRAM"]
+    programs = PROGRAMS_PER_SM * num_sms(query.device)
+    chunk_programs = max(1, min(triton.cdiv(scores.shape[2], keys_per_program), programs // (num_rows * num_kv_heads)))
+    _pillar_scores_kernel[(num_rows, num_kv_heads, chunk_programs)](
+        query, k_cache, page_table, query_start, lse, num_old_keys, scores,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1), scale * LOG2E,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], KEYS_PER_PROGRAM=keys_per_program,
+        INPUT_PRECISION=dot_precision(query.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
 
 
 def pillar_scores(
@@ -205,40 +266,106 @@ def pillar_scores(
     Returns:
         `scores [num_rows, num_kv_heads, max_num_old_keys]` fp32, -inf at `j >= num_old_keys[r]`.
     """
-    check_cache_pair(k_cache)
-    group = check_query_heads(query, k_cache)
-    if query.dtype != k_cache.dtype:
-        raise TypeError(f"query: expected the cache dtype {k_cache.dtype}, got {query.dtype}")
-    device = query.device
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    check_tensor("page_table", page_table, ndim=2, dtypes=INDEX, device=device)
-    num_rows = page_table.shape[0]
-    check_tensor("query_start", query_start, dtypes=INDEX, device=device, shape=(num_rows + 1,))
-    check_tensor("lse", lse, dtypes=(torch.float32,), device=device, shape=(num_tokens, num_q_heads))
-    check_tensor("num_old_keys", num_old_keys, dtypes=INDEX, device=device, shape=(num_rows,))
     if not isinstance(max_num_old_keys, int) or max_num_old_keys < 0:
         raise ValueError(f"max_num_old_keys: expected an int >= 0, got {max_num_old_keys!r}")
-    query, page_table, lse = last_dim_contiguous(query), last_dim_contiguous(page_table), last_dim_contiguous(lse)
-    scores = torch.empty((num_rows, num_kv_heads, max_num_old_keys), dtype=torch.float32, device=device)
-    if num_rows == 0 or max_num_old_keys == 0:
-        return scores
-    # The tile holds a whole verification block when the rows are even (k+1 queries each); from the
-    # shapes alone, so no sync. Larger blocks loop over query tiles.
-    mean_q = max(1, -(-num_tokens // num_rows))
-    block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(mean_q * group)))
-    config = launch_config("score", head_dim)
-    keys_per_program = config["KEYS_PER_PROGRAM"]
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_num_old_keys, keys_per_program))
-    _pillar_scores_kernel[grid](
-        query, k_cache, page_table, query_start, lse, num_old_keys, scores, max_num_old_keys,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1), scale * LOG2E,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
-        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], KEYS_PER_PROGRAM=keys_per_program,
-        INPUT_PRECISION=dot_precision(query.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )  # fmt: skip
+    shape = (page_table.shape[0], k_cache.shape[2], max_num_old_keys)
+    scores = torch.full(shape, float("-inf"), dtype=torch.float32, device=query.device)
+    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale)
     return scores
+
+
+@triton.jit
+def _select_top_keys_kernel(
+    scores_ptr,  # [num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys[row]
+    num_old_keys_ptr,  # [num_rows] int32
+    budgets_ptr,  # [num_rows] int32
+    slots_ptr,  # [num_rows] int32 or int64, slot of `selected` each row writes
+    selected_ptr,  # [num_slots, num_kv_heads, max_budget] int32
+    stride_scores_row,
+    stride_scores_head,
+    stride_sel_slot,
+    stride_sel_head,
+    BLOCK: tl.constexpr,
+    NUM_THRESHOLDS: tl.constexpr,
+    NUM_PASSES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_old = tl.load(num_old_keys_ptr + row)
+    budget = tl.minimum(tl.load(budgets_ptr + row), num_old)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
+    sel_row_ptr = selected_ptr + slot * stride_sel_slot + kv_head * stride_sel_head
+    offs = tl.arange(0, BLOCK)
+    if budget > 0:
+        # Invariant: count(bits >= lo) >= budget > count(bits >= hi). +inf has bits 0x7F800000.
+        lo = tl.zeros([1], tl.int64)
+        hi = tl.full([1], 0x7F800001, tl.int64)
+        steps = tl.arange(0, NUM_THRESHOLDS).to(tl.int64)
+        if budget < num_old:
+            for _ in tl.static_range(NUM_PASSES):
+                step = (hi - lo + NUM_THRESHOLDS - 1) // NUM_THRESHOLDS  # (1,)
+                thresholds = lo + steps * step  # (NUM_THRESHOLDS,)
+                counts = tl.zeros([NUM_THRESHOLDS], tl.int32)
+                for start in range(0, num_old, BLOCK):
+                    key = start + offs
+                    bits = tl.load(score_row_ptr + key, mask=key < num_old, other=-1.0).to(tl.int32, bitcast=True)
+                    counts += tl.sum((bits.to(tl.int64)[None, :] >= thresholds[:, None]).to(tl.int32), axis=1)
+                ok = (counts >= budget) & (thresholds < hi)
+                best = tl.max(tl.where(ok, steps, -1), axis=0)
+                lo = lo + best * step
+                hi = tl.minimum(lo + step, hi)
+        else:
+            lo = lo - 1  # every key: the threshold is below all scores
+        threshold = tl.max(lo, axis=0)  # the bit pattern of the budget-th largest score
+        num_above = 0
+        for start in range(0, num_old, BLOCK):
+            key = start + offs
+            bits = tl.load(score_row_ptr + key, mask=key < num_old, other=-1.0).to(tl.int32, bitcast=True)
+            num_above += tl.sum((bits.to(tl.int64) > threshold).to(tl.int32), axis=0)
+        ties_needed = budget - num_above
+        written = 0
+        ties_seen = 0
+        for start in range(0, num_old, BLOCK):
+            key = start + offs
+            valid = key < num_old
+            bits = tl.load(score_row_ptr + key, mask=valid, other=-1.0).to(tl.int32, bitcast=True).to(tl.int64)
+            above = valid & (bits > threshold)
+            tie = valid & (bits == threshold)
+            tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            keep = above | (tie & (tie_rank < ties_needed))
+            index = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(sel_row_ptr + index, key, mask=keep)
+            written += tl.sum(keep.to(tl.int32), axis=0)
+            ties_seen += tl.sum(tie.to(tl.int32), axis=0)
+
+
+def select_top_keys_into(
+    scores: torch.Tensor,  # [num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys
+    num_old_keys: torch.Tensor,  # [num_rows] int32
+    budgets: torch.Tensor,  # [num_rows] int32
+    selected: torch.Tensor,  # [num_slots, num_kv_heads, max_budget] int32, written in place
+    slots: torch.Tensor,  # [num_rows] int32/int64, the slot each row writes
+) -> None:
+    """Triton: the `min(budgets[r], num_old_keys[r])` best keys of row r, per KV head, as ascending
+    positions into `selected[slots[r], h, :budget]` (entries past the budget are left as they were).
+    Same sets as `select_top_keys` when scores have no ties at the threshold."""
+    device = scores.device
+    check_tensor("scores", scores, ndim=3, dtypes=(torch.float32,), device=device)
+    num_rows, num_kv_heads, _ = scores.shape
+    check_tensor("num_old_keys", num_old_keys, dtypes=INDEX, device=device, shape=(num_rows,))
+    check_tensor("budgets", budgets, dtypes=INDEX, device=device, shape=(num_rows,))
+    check_tensor("selected", selected, ndim=3, dtypes=INDEX, device=device, shape=(None, num_kv_heads, None))
+    check_tensor("slots", slots, dtypes=(torch.int32, torch.int64), device=device, shape=(num_rows,))
+    if scores.stride(-1) != 1 or selected.stride(-1) != 1:
+        raise ValueError("scores and selected: expected unit-stride last dimensions")
+    if num_rows == 0:
+        return
+    _select_top_keys_kernel[(num_rows, num_kv_heads)](
+        scores, num_old_keys, budgets, slots, selected,
+        scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
+        BLOCK=256, NUM_THRESHOLDS=16, NUM_PASSES=8, num_warps=4,
+    )  # fmt: skip
 
 
 def pillar_select(
@@ -253,6 +380,51 @@ def pillar_select(
     max_budget: int,
     scale: float,
 ) -> torch.Tensor:
-    """Triton scores then `select_top_keys`: `[num_rows, num_kv_heads, max_budget]` int32 positions (-1 padded)."""
+    """Triton `pillar_select_ref`: `[num_rows, num_kv_heads, max_budget]` int32 positions (-1 padded)."""
     scores = pillar_scores(query, k_cache, page_table, query_start, lse, num_old_keys, max_num_old_keys, scale)
-    return select_top_keys(scores, budgets, max_budget)
+    num_rows, num_kv_heads = scores.shape[:2]
+    selected = torch.full((num_rows, num_kv_heads, max_budget), -1, dtype=torch.int32, device=query.device)
+    rows = torch.arange(num_rows, dtype=torch.int32, device=query.device)
+    select_top_keys_into(scores, num_old_keys, budgets, selected, rows)
+    return selected
+
+
+def update_selection(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    lse: torch.Tensor,
+    num_old_keys: torch.Tensor,
+    budgets: torch.Tensor,
+    selected: torch.Tensor,
+    slots: torch.Tensor,
+    scores: torch.Tensor,
+    scale: float,
+) -> None:
+    """One layer's PillarAttn refresh on Triton: scores into the workspace `scores [num_rows,
+    num_kv_heads, width]`, then the top keys straight into `selected[slots]` (no host syncs)."""
+    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale)
+    select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
+
+
+def update_selection_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    lse: torch.Tensor,
+    num_old_keys: torch.Tensor,
+    budgets: torch.Tensor,
+    selected: torch.Tensor,
+    slots: torch.Tensor,
+    scores: torch.Tensor | None,
+    scale: float,
+) -> None:
+    """Reference of `update_selection` (and the CPU backend): `selected[slots[r], :, :]` becomes
+    `pillar_select_ref`'s rows (-1 padded). `scores` is unused (the reference allocates its own)."""
+    width = int(num_old_keys.max()) if num_old_keys.numel() else 0
+    rows = pillar_select_ref(
+        query, k_cache, page_table, query_start, lse, num_old_keys, budgets, width, selected.shape[2], scale
+    )
+    selected.index_copy_(0, slots.long(), rows)

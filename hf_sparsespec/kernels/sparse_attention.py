@@ -172,14 +172,15 @@ def _sparse_draft_attention_kernel(
     key_begin = tl.load(work_ptr + item * 5 + 2)
     key_end = tl.load(work_ptr + item * 5 + 3)
     part_row = tl.load(work_ptr + item * 5 + 4)
-    _draft_item(
-        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
-        selection_slot_ptr, num_selected_ptr, out_ptr, part_lse_ptr, part_out_ptr, part_lse_ptr,
-        row, row, key_begin, key_end, part_row, kv_head,
-        stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
-        stride_sel_slot, stride_sel_head, stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
-        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION,
-    )  # fmt: skip
+    if row >= 0:  # row -1: a padding item of a fixed grid
+        _draft_item(
+            q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
+            selection_slot_ptr, num_selected_ptr, out_ptr, part_lse_ptr, part_out_ptr, part_lse_ptr,
+            row, row, key_begin, key_end, part_row, kv_head,
+            stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
+            stride_sel_slot, stride_sel_head, stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION,
+        )  # fmt: skip
 
 
 def check_draft_rows(
@@ -260,6 +261,5 @@ def sparse_draft_attention(
     )  # fmt: skip
     if plan.num_merge:
         lse = torch.empty((num_rows, num_q_heads), dtype=torch.float32, device=device)  # draft LSE: unused
-        query_start = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
-        merge_splits(plan, part_out, part_lse, query_start, 0, out, lse)
+        merge_splits(plan, part_out, part_lse, out, lse)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from kernel_cases import (  # noqa: F401
@@ -19,7 +20,13 @@ from kernel_cases import (  # noqa: F401
     sparse_attention_lowp,
 )
 
-from hf_sparsespec.kernels.attention_plan import plan_attention
+from hf_sparsespec.kernels.attention_plan import (
+    AttentionPlan,
+    block_sizes,
+    plan_attention,
+    plan_capacity,
+    plan_work_lists,
+)
 from hf_sparsespec.kernels.backend import TorchBackend
 from hf_sparsespec.kernels.mixed_attention import mixed_attention, mixed_attention_ref
 from hf_sparsespec.kernels.triton_backend import TritonBackend
@@ -96,25 +103,38 @@ def test_mixed_attention_one_kind_of_row(device, full_rows, draft_rows):
 
 
 def test_triton_backend_matches_torch_backend(device):
+    """The engine's call pattern: a work list padded to a fixed capacity (no-op items and merge
+    entries, as a CUDA graph replays it) reused by two layers, then PillarAttn on the verification
+    rows writing straight into the selected-index store at the rows' slots."""
     args, host = _mixed_batch(device, torch.float32, 16, 3, 32)
     query, k_cache, v_cache, page_table, query_start = args[:5]
     triton_backend, torch_backend = TritonBackend(), TorchBackend()
-    assert torch_backend.plan(host) is None
-    plan = triton_backend.plan(host)
-    for _layer in range(2):  # the second layer reuses the plan's device work list
+    assert triton_backend.needs_plan and not torch_backend.needs_plan
+    block_m_full = block_sizes(12, 3)[0]
+    capacity = plan_capacity(12, 40, block_m_full // 3, 6)
+    work, merge, _ = plan_work_lists(
+        host.query_start, host.context_lens, host.num_full_rows, host.num_selected, host.recent_start, group=3,
+        block_m_full=block_m_full, items=6, min_keys_per_split=16, capacity=capacity,
+    )  # fmt: skip
+    assert (work[:, 0] == -1).any() and (merge[:, 3] == 0).any() and (merge[:, 3] > 1).any()  # padded, and split
+    lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)])).to(device)
+    plan = AttentionPlan(lists[: work.size].view(-1, 5), lists[work.size :].view(-1, 5), capacity.num_part_rows,
+                         block_m_full, block_sizes(1, 3)[1], 3, 2)  # fmt: skip
+    for _layer in range(2):  # the second layer reuses the plan's work list and workspace
         out, lse = triton_backend.mixed_attention(*args, plan=plan)
         ref_out, ref_lse = torch_backend.mixed_attention(*args, plan=None)
         assert_attention_close(out, ref_out, None, torch.float32)
-        assert len(plan.attention) == 1
 
-    # PillarAttn on the two verification rows (rows 1, 2; tokens 12..29), query_start rebased to 0.
-    v0, v1 = 12, 30
+    # PillarAttn on the two verification rows (rows 1, 2; tokens 12..29, absolute offsets), written
+    # into slots 3 and 0 of a store; a third, padding row (no queries, budget 0) writes nothing.
     verify_args = (
-        query[v0:v1], k_cache, page_table[1:3], i32([0, 9, 18], device), ref_lse[v0:v1], i32([88, 31], device),
-        i32([17, 5], device), 88, 24, args[-1],
+        query, k_cache, page_table[1:4], i32([12, 21, 30, 30], device), ref_lse, i32([88, 31, 0], device),
+        i32([17, 5, 0], device),
     )  # fmt: skip
-    selected = triton_backend.pillar_select(*verify_args, plan=plan)
-    assert torch.equal(selected, torch_backend.pillar_select(*verify_args, plan=None))
-
-    # A later step: the backend knows the GQA shape now and builds the work list inside `plan`.
-    assert len(triton_backend.plan(host).attention) == 1
+    slots = torch.tensor([3, 0, 4], device=device)
+    stores = [torch.full((5, 2, 24), -7, dtype=torch.int32, device=device) for _ in range(2)]
+    triton_backend.update_selection(*verify_args, stores[0], slots, None, args[-1])
+    torch_backend.update_selection(*verify_args, stores[1], slots, None, args[-1])
+    for slot, budget in ((3, 17), (0, 5)):
+        assert torch.equal(stores[0][slot, :, :budget], stores[1][slot, :, :budget])
+    assert (stores[0][[1, 2, 4]] == -7).all()

@@ -1,0 +1,247 @@
+"""End-to-end decoding throughput on a GPU, side by side in one process (one model load):
+transformers `generate` with the static cache, our autoregressive mode, our SparseSpec.
+
+    python benchmarks/e2e_throughput.py --gguf ~/m/qwen15.gguf --batch 256 --new-tokens 2048 \\
+        --runs hf_static,ar,pillar,streaming --out $OUT
+    python benchmarks/e2e_throughput.py --random qwen2.5-1.5b --batch 64 --new-tokens 256   # shapes only
+
+Every run decodes the same prompts (mmath AIME/MATH, chat template; random ids with `--random`),
+bf16, sampling T=0.65 (top-k and top-p off), a forced length (min_new_tokens = max_new_tokens).
+Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
+(`num_draft_tokens=0`), `pillar`, `streaming`, `dense`, and the ablation ladder of the paper:
+`naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
+`delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
+
+Per run: tokens/s, ratio to HF static and to our AR mode, mean accepted drafts per cycle, wall ms
+per iteration next to device ms per iteration (CUDA events around each iteration's upload, step and
+result copy), and the ideal iteration time: the larger of (weights + KV each iteration must read) /
+4.26 TB/s and its FLOPs / 790 TFLOP/s, from the iteration's real rows. Prints a table last, writes
+JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+import triton
+from loading import load_gguf, random_model
+from prompts import reasoning_prompts
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+import hf_sparsespec
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.attention import use_attention
+from hf_sparsespec.engine import Engine
+from hf_sparsespec.generation import prepare_batch
+
+HBM_BYTES_PER_S = 4.26e12
+BF16_FLOPS_PER_S = 790e12
+SELECTIONS = {  # run name -> SparseSpecConfig fields
+    "ar": dict(num_draft_tokens=0),
+    "pillar": dict(),
+    "streaming": dict(selection="streaming"),
+    "dense": dict(selection="dense"),
+    "naive": dict(scheduler="naive", delayed_verification=False, cuda_graphs=False),
+    "unified": dict(delayed_verification=False, cuda_graphs=False),
+    "delayed": dict(cuda_graphs=False),
+}
+
+
+class StopAfter(StoppingCriteria):
+    """Stops every row after `steps` calls: warms HF's compiled static path on the real shapes."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.calls = steps, 0
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), self.calls >= self.steps, dtype=torch.bool, device=input_ids.device)
+
+
+class IdealCounter:
+    """Bytes and FLOPs each iteration must move / do, from its real rows (see the module docstring)."""
+
+    def __init__(self, model) -> None:
+        config = model.config.get_text_config()
+        self.layers, self.kv_heads = config.num_hidden_layers, config.num_key_value_heads
+        self.q_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.q_heads
+        itemsize = next(model.parameters()).dtype.itemsize
+        params = sum(p.numel() for p in model.parameters())
+        self.lm_head = model.get_output_embeddings().weight.numel()
+        self.linear_params = params - self.lm_head  # the embedding lookup reads a few rows only
+        self.weight_bytes = params * itemsize
+        self.kv_bytes_per_key = self.layers * self.kv_heads * self.head_dim * 2 * itemsize  # K and V
+        self.seconds = []
+
+    def add(self, tokens: int, logits: int, full_keys: int, sparse_keys: int, scored_keys: int, attended: int):
+        kv = (full_keys + sparse_keys) * self.kv_bytes_per_key + scored_keys * self.kv_bytes_per_key // 2
+        flops = 2 * self.linear_params * tokens + 2 * self.lm_head * logits
+        flops += 4 * self.q_heads * self.head_dim * self.layers * attended
+        self.seconds.append(max((self.weight_bytes + kv) / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S))
+
+    def observe(self, batch, pillar: bool) -> None:
+        a, shape = batch.arrays, batch.shape
+        n_full = shape.num_prefill_rows + len(batch.verify_rows)
+        n_rows = len(batch.rows)
+        qs, ctx = a["query_start"][: n_rows + 1], a["context_len"][:n_rows]
+        q_len = np.diff(qs)
+        draft_keys = a["num_selected"][n_full:n_rows] + ctx[n_full:] - a["recent_start"][n_full:n_rows]
+        attended = int((q_len[:n_full] * ctx[:n_full]).sum() + draft_keys.sum())
+        scored = int(a["num_old_keys"][: len(batch.verify_rows)].sum()) if pillar else 0
+        logits = len(batch.host_rows["index"])
+        self.add(int(qs[-1]), logits, int(ctx[:n_full].sum()), int(draft_keys.sum()), scored, attended)
+
+
+def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool) -> dict:
+    job = prepare_batch(model, prompts, gen_config)
+    engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
+    engine.runner.time_iterations = model.device.type == "cuda"
+    ideal = IdealCounter(model)
+    original = engine.runner.run
+
+    def run(batch):
+        ideal.observe(batch, pillar)
+        return original(batch)
+
+    engine.runner.run = run
+    sync(model)
+    start = time.perf_counter()
+    with use_attention(model), torch.no_grad():
+        engine.run()
+    sync(model)
+    seconds = time.perf_counter() - start
+    counters = engine.runner.counters
+    gpu_ms = counters.gpu_milliseconds() if engine.runner.time_iterations else [float("nan")] * len(ideal.seconds)
+    iterations = len(ideal.seconds)
+    stats = hf_sparsespec.SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in job.requests])
+    tokens = sum(len(r.generated) for r in job.requests)
+    decode = slice(len(gpu_ms) // 10, None)  # steady state: past the prefill iterations
+    return {
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": iterations,
+        "wall_ms_per_iter": 1000 * seconds / iterations, "gpu_ms_per_iter": float(np.mean(gpu_ms)),
+        "gpu_ms_per_iter_decode": float(np.mean(gpu_ms[decode])), "ideal_ms_per_iter": 1000 * float(np.mean(ideal.seconds)),
+        "mean_accepted": stats.total.mean_accepted_per_cycle, "histogram": stats.total.accepted_histogram,
+        "graph_replays": counters.graph_replays, "eager_iterations": counters.eager_iterations,
+        "graphs_captured": counters.graphs_captured, "capture_seconds": counters.capture_seconds,
+    }  # fmt: skip
+
+
+def sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf_static(model, ids, mask, settings: dict, new_tokens: int) -> dict:
+    model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static",
+                   stopping_criteria=StoppingCriteriaList([StopAfter(12)]), **settings)  # fmt: skip
+    sync(model)
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **settings)
+    sync(model)
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": new_tokens,
+            "wall_ms_per_iter": 1000 * seconds / new_tokens}  # fmt: skip
+
+
+def left_pad(prompts, pad_id, device):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", type=Path)
+    source.add_argument("--random", choices=["qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=2048)
+    parser.add_argument("--runs", default="hf_static,ar,pillar,streaming")
+    parser.add_argument("--min-budget", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.65)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    if args.gguf is not None:
+        model, tokenizer = load_gguf(args.gguf, torch.bfloat16, args.device)
+        prompts = reasoning_prompts(tokenizer, args.batch)
+        eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    else:
+        model, tokenizer = random_model(args.random, torch.bfloat16 if args.device == "cuda" else torch.float32,
+                                        args.device)  # fmt: skip
+        rng = np.random.default_rng(args.seed)
+        prompts = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(100, 250, args.batch)]
+        eos, pad = None, 0
+    name = args.gguf.name if args.gguf is not None else f"random {args.random}"
+    print(f"loaded {name} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts", flush=True)
+    n = args.new_tokens
+    settings = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=n,
+                    min_new_tokens=n, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+    gen_config = GenerationConfig(**settings)
+    report = {"meta": {
+        "model": name, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+        "transformers": transformers.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+    }, "runs": {}}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    warm = SparseSpecConfig(min_budget=args.min_budget)  # Triton compiles once per process, outside the timings
+    hf_sparsespec.generate_batch(model, prompts[:8], GenerationConfig(**{**settings, "max_new_tokens": 24,
+                                                                          "min_new_tokens": 24}), warm)  # fmt: skip
+    for run in args.runs.split(","):
+        torch.manual_seed(args.seed)
+        if run == "hf_static":
+            ids, mask = left_pad(prompts, pad or 0, args.device)
+            result = run_hf_static(model, ids, mask, settings, n)
+        else:
+            config = SparseSpecConfig(min_budget=args.min_budget, **SELECTIONS[run])
+            result = run_ours(model, prompts, gen_config, config, pillar=config.selection == "pillar")
+        report["runs"][run] = result
+        print(f"{run}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)
+        (args.out / f"e2e_throughput_{args.batch}x{n}.json").write_text(json.dumps(report, indent=1))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+    runs = report["runs"]
+    hf = runs.get("hf_static", {}).get("tokens_per_s")
+    ar = runs.get("ar", {}).get("tokens_per_s")
+    print(f"\n{name}, batch {args.batch} x {n} new tokens (forced), bf16, T={args.temperature}, "
+          f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
+          f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
+    print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
+          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(x, base):
+        return f"{x / base:.2f}x" if base else "-"
+
+    def num(r, key, fmt=".2f"):
+        return format(r[key], fmt) if key in r else "-"
+
+    for run, r in runs.items():
+        gpu = r.get("gpu_ms_per_iter_decode")
+        gpu = gpu if gpu == gpu else None  # NaN: not measured (CPU)
+        wall_over_gpu = f"{r['wall_ms_per_iter'] / r['gpu_ms_per_iter']:.2f}" if "gpu_ms_per_iter" in r else "-"
+        gpu_over_ideal = f"{gpu / r['ideal_ms_per_iter']:.2f}" if gpu else "-"
+        graphs = f"{r['graphs_captured']} ({r['graph_replays']} / {r['eager_iterations']})" if "graphs_captured" in r else "-"
+        print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
+              f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
+              f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
+              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""BatchBuilder: the host side of an iteration, vectorised into one int32 staging buffer.
+
+The scheduler hands over the rows of an iteration (prefill chunks, verifications, drafts, in that
+order). This module turns them into every index the device step needs, with numpy over whole arrays
+(no per-token Python), written into a pinned host buffer that the runner uploads with ONE copy:
+
+    tokens   input_index, position, kv_slot                [num_tokens]
+    rows     row_slot, query_start (+1), context_len, recent_start, selection_slot, num_selected
+    verify   query_start (+1), num_old_keys, budget, slot, first_position, num_drafts, base  [verify rows]
+             draft_index, draft_prob_row                   [verify rows x k]
+    logits   token, slot, prefix_len                       [logits rows]; processor params [n x logits rows]
+    drafts   write, prob_index                             [draft rows]
+    prefill  write                                         [sampling prefill rows]
+    plan     work [num_work x 5], merge [num_merge x 5]    (Triton backend only)
+and, after the fields of the shape, the new page-table entries: flat index, then page.
+
+Shapes (`StepShape`): an iteration without prefill rows is padded to a bucket (verify and draft rows
+rounded up) so that a CUDA graph can replay it: padded rows and tokens read slot `num_slots` (the
+dummy slot of every per-slot buffer), write the KV cache nowhere (`kv_slot = -1`) and sample into
+the dummy slot. Logits rows are laid out `[verify rows x (k + 1)][draft rows][prefill samples]`, so a
+verification's k + 1 target distributions are a fixed-stride block.
+
+Invariant: a field's content depends only on the rows; its offset only on the shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hf_sparsespec.kernels.attention_plan import PlanCapacity, block_sizes, plan_capacity, plan_work_lists
+from hf_sparsespec.scheduler import RowKind, ScheduledRow
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Sizes of one iteration's buffers; iterations of equal shape share a CUDA graph."""
+
+    num_tokens: int
+    num_rows: int
+    num_prefill_rows: int
+    num_verify_rows: int
+    num_draft_rows: int
+    num_prefill_samples: int
+    spec_len: int  # k + 1: logits rows per verify row
+    num_params: int  # per-row parameters of the vectorised logits processors
+    block_m_full: int
+    plan: PlanCapacity | None  # None: the backend needs no plan
+    padded: bool  # a bucket of a graph-able decode iteration
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_verify_rows * self.spec_len + self.num_draft_rows + self.num_prefill_samples
+
+    def fields(self) -> list[tuple[str, int]]:
+        """(name, int32 count) in staging order."""
+        t, r, v, d = self.num_tokens, self.num_rows, self.num_verify_rows, self.num_draft_rows
+        k, n = self.spec_len - 1, self.num_logits
+        plan = self.plan or PlanCapacity(0, 0, 0)
+        return [
+            ("input_index", t), ("position", t), ("kv_slot", t),
+            ("row_slot", r), ("query_start", r + 1), ("context_len", r), ("recent_start", r),
+            ("selection_slot", r), ("num_selected", r),
+            ("verify_query_start", v + 1), ("num_old_keys", v), ("budget", v), ("verify_slot", v),
+            ("verify_first_position", v), ("num_drafts", v), ("verify_base", v),
+            ("draft_index", v * k), ("draft_prob_row", v * k),
+            ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
+            ("draft_write", d), ("draft_prob_index", d), ("prefill_write", self.num_prefill_samples),
+            ("work", plan.num_work * 5), ("merge", plan.num_merge * 5),
+        ]  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.fields())
+
+
+def round_up_rows(n: int, limit: int) -> int:
+    """Bucket of `n` rows: 1, 2, 4, 8, then multiples of 8 up to 32, of 16 up to 128, of 32 beyond
+    (at most ~1/8 padding past 32 rows); never above `limit` (the row capacity)."""
+    if n <= 8:
+        padded = 1 << max(0, (n - 1).bit_length()) if n else 0
+    else:
+        step = 8 if n <= 32 else 16 if n <= 128 else 32
+        padded = -(-n // step) * step
+    return min(padded, max(limit, n))
+
+
+class DevicePageTable:
+    """Host mirror of the device page table `[num_slots + 1, max_pages]` (the last row is the dummy
+    slot) and the entries to send with the next iteration (only those that changed)."""
+
+    def __init__(self, num_slots: int, max_pages: int) -> None:
+        self.pages = np.zeros((num_slots + 1, max_pages), dtype=np.int32)
+        self.max_pages = max_pages
+        self._index: list[np.ndarray] = []
+        self._value: list[np.ndarray] = []
+
+    def sync(self, slot: int, table: list[int], first_changed: int) -> None:
+        """Record the entries `table[first_changed:]` (what changed since the slot's last sync, as the
+        allocator reports it; entries past a request's length are never read)."""
+        length = len(table)
+        if length > first_changed:
+            new = np.asarray(table[first_changed:], dtype=np.int32)
+            self.pages[slot, first_changed:length] = new
+            self._index.append(slot * self.max_pages + np.arange(first_changed, length, dtype=np.int32))
+            self._value.append(new)
+
+    def take_updates(self) -> tuple[np.ndarray, np.ndarray]:
+        index = np.concatenate(self._index) if self._index else np.zeros(0, np.int32)
+        value = np.concatenate(self._value) if self._value else np.zeros(0, np.int32)
+        self._index, self._value = [], []
+        return index, value
+
+
+@dataclass
+class HostBatch:
+    """One iteration, built: its shape, the rows (for reading results) and the staging contents."""
+
+    shape: StepShape
+    rows: list[ScheduledRow]
+    verify_rows: list[ScheduledRow]  # in result order
+    prefill_sample_rows: list[ScheduledRow]  # in result order
+    arrays: dict[str, np.ndarray]
+    host_rows: dict[str, np.ndarray]  # real logits rows' slot / prefix_len / params (the eager processors)
+    page_updates: tuple[np.ndarray, np.ndarray]  # new page-table entries: flat index, page
+
+    @property
+    def num_results(self) -> int:
+        return self.shape.num_verify_rows * (self.shape.spec_len + 1) + self.shape.num_prefill_samples
+
+
+class BatchBuilder:
+    """Rows of an iteration -> `HostBatch` (see the module docstring).
+
+    Args:
+        k: draft tokens per cycle (0: autoregressive rows of one token).
+        num_slots, history_width: the token buffer `[num_slots + 1, history_width]` (last row: dummy).
+        page_size, page_table: the KV page size and the device page table's host mirror.
+        group, num_kv_heads, plan_items: the attention geometry and the plan's target work items;
+            `plan_items = 0` when the backend needs no plan.
+        num_params: per-request parameters of the vectorised logits processors (each request's
+            `processor_params`, a tuple of ints set by the engine).
+        pad: pad decode iterations to buckets (graph-able shapes).
+    """
+
+    def __init__(
+        self, k: int, num_slots: int, history_width: int, page_size: int, page_table: DevicePageTable,
+        group: int, num_kv_heads: int, plan_items: int, num_params: int, pad: bool,
+    ) -> None:  # fmt: skip
+        self.k, self.num_slots, self.width, self.page_size = k, num_slots, history_width, page_size
+        self.page_table = page_table
+        self.group, self.num_kv_heads, self.plan_items = group, num_kv_heads, plan_items
+        self.num_params, self.pad = num_params, pad
+
+    def build(self, rows: list[ScheduledRow], allocator) -> HostBatch:
+        k, spec, width, dummy = self.k, self.k + 1, self.width, self.num_slots
+        n_rows = len(rows)
+        # --- per row (the one Python loop) ---
+        slot = np.empty(n_rows, np.int64)
+        kind = np.empty(n_rows, np.int64)
+        first = np.empty(n_rows, np.int64)
+        n_tok = np.empty(n_rows, np.int64)
+        offset = np.empty(n_rows, np.int64)
+        recent = np.zeros(n_rows, np.int64)
+        n_sel = np.zeros(n_rows, np.int64)
+        budget = np.zeros(n_rows, np.int64)
+        draft_step = np.zeros(n_rows, np.int64)
+        samples = np.zeros(n_rows, bool)
+        params = np.zeros((n_rows, self.num_params), np.int64)
+        for i, row in enumerate(rows):
+            request = row.request
+            slot[i], kind[i], first[i], n_tok[i] = request.slot, row.kind, row.first_position, row.num_tokens
+            offset[i], samples[i] = request.history_offset, row.samples
+            if row.kind is RowKind.DRAFT:
+                recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
+            elif row.kind is RowKind.VERIFY:
+                budget[i] = row.budget
+            if self.num_params:
+                params[i] = request.processor_params
+            rid = request.request_id
+            self.page_table.sync(request.slot, allocator.page_table(rid), allocator.take_changed(rid))
+        is_prefill, is_verify, is_draft = kind == RowKind.PREFILL, kind == RowKind.VERIFY, kind == RowKind.DRAFT
+        n_p, n_v, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_draft.sum())
+        context = first + n_tok
+        updates = self.page_table.take_updates()
+
+        # --- the shape ---
+        padded = self.pad and n_p == 0
+        v_pad = round_up_rows(n_v, self.num_slots) if padded else n_v
+        d_pad = round_up_rows(n_d, self.num_slots) if padded else n_d
+        prefill_samples = np.flatnonzero(is_prefill & samples)
+        real_tokens = int(n_tok.sum())
+        num_tokens = v_pad * spec + d_pad if padded else real_tokens
+        num_rows = n_rows + (v_pad - n_v) + (d_pad - n_d)
+        max_full_q = spec if padded else int(n_tok[: n_p + n_v].max(initial=1))
+        block_m_full = block_sizes(max_full_q, self.group)[0]
+        capacity = None
+        if self.plan_items:
+            tile_q = block_m_full // self.group
+            if padded:
+                max_tiles = v_pad * -(-spec // tile_q) + d_pad
+            else:
+                max_tiles = int((-(-n_tok[: n_p + n_v] // tile_q)).sum()) + n_d
+            capacity = plan_capacity(max_tiles, num_tokens, tile_q, self.plan_items)
+        shape = StepShape(
+            num_tokens=num_tokens, num_rows=num_rows, num_prefill_rows=n_p, num_verify_rows=v_pad,
+            num_draft_rows=d_pad, num_prefill_samples=len(prefill_samples), spec_len=spec,
+            num_params=self.num_params, block_m_full=block_m_full, plan=capacity, padded=padded,
+        )  # fmt: skip
+        a: dict[str, np.ndarray] = {}
+
+        # --- tokens: row i's positions first[i] .. context[i] - 1 ---
+        token_row = np.repeat(np.arange(n_rows), n_tok)
+        query_start = np.concatenate([[0], np.cumsum(n_tok)])
+        position = np.arange(real_tokens) - np.repeat(query_start[:-1], n_tok) + first[token_row]
+        row_base = slot * width + offset  # flat token-buffer index of each row's position 0
+        tok_slot = slot[token_row]
+        kv_slot = self.page_table.pages[tok_slot, position // self.page_size] * self.page_size + position % self.page_size
+        pad_tokens = num_tokens - real_tokens
+        a["input_index"] = _pad(row_base[token_row] + position, pad_tokens, 0)
+        a["position"] = _pad(position, pad_tokens, 0)
+        a["kv_slot"] = _pad(kv_slot, pad_tokens, -1)
+
+        # --- rows: real rows, then padding rows (no work items read them) ---
+        pad_rows = num_rows - n_rows
+        a["row_slot"] = _pad(slot, pad_rows, dummy)
+        a["query_start"] = _pad(query_start, pad_rows, real_tokens)
+        a["context_len"] = _pad(context, pad_rows, 0)
+        a["recent_start"] = _pad(recent, pad_rows, 0)
+        a["selection_slot"] = _pad(np.where(is_draft, slot, 0), pad_rows, 0)
+        a["num_selected"] = _pad(n_sel, pad_rows, 0)
+
+        # --- verifications: the first n_v of v_pad acceptance slots ---
+        vr = np.flatnonzero(is_verify)
+        v_slot, v_first, v_m = slot[vr], first[vr], n_tok[vr] - 1
+        v_base = row_base[vr] + v_first + 1  # flat index of each verification's first draft
+        pad_v = v_pad - n_v
+        dummy_base = dummy * width
+        a["verify_query_start"] = _pad(query_start[n_p : n_p + n_v + 1], pad_v, query_start[n_p + n_v])
+        a["num_old_keys"] = _pad(v_first, pad_v, 0)
+        a["budget"] = _pad(budget[vr], pad_v, 0)
+        a["verify_slot"] = _pad(v_slot, pad_v, dummy)
+        a["verify_first_position"] = _pad(v_first, pad_v, 0)
+        a["num_drafts"] = _pad(v_m, pad_v, 0)
+        a["verify_base"] = _pad(v_base, pad_v, dummy_base)
+        steps = np.arange(k)
+        draft_index = v_base[:, None] + np.minimum(steps[None, :], np.maximum(v_m - 1, 0)[:, None])
+        a["draft_index"] = _pad(draft_index.reshape(-1), pad_v * k, dummy_base)
+        a["draft_prob_row"] = _pad((v_slot[:, None] * k + steps[None, :]).reshape(-1), pad_v * k, dummy * k)
+
+        # --- logits rows: [verify x spec][drafts][prefill samples] ---
+        j = np.minimum(np.arange(spec)[None, :], v_m[:, None])  # [n_v, spec]: row j reads token j (<= m)
+        v_tokens = query_start[vr][:, None] + j
+        v_prefix = (offset[vr] + v_first)[:, None] + j + 1
+        dr = np.flatnonzero(is_draft)
+        tok = [v_tokens.reshape(-1), np.zeros(pad_v * spec, np.int64), query_start[dr], np.zeros(d_pad - n_d, np.int64),
+               query_start[prefill_samples + 1] - 1]  # fmt: skip
+        row_of = [np.repeat(vr, spec), np.full(pad_v * spec, -1), dr, np.full(d_pad - n_d, -1), prefill_samples]
+        prefix = [v_prefix.reshape(-1), np.ones(pad_v * spec, np.int64), offset[dr] + context[dr],
+                  np.ones(d_pad - n_d, np.int64), offset[prefill_samples] + context[prefill_samples]]  # fmt: skip
+        logits_row = np.concatenate(row_of)
+        real = logits_row >= 0
+        a["logits_token"] = np.concatenate(tok)
+        a["logits_slot"] = np.where(real, slot[logits_row], dummy)
+        a["logits_prefix_len"] = np.concatenate(prefix)
+        a["logits_params"] = np.where(real[None, :], params[logits_row].T, 0).reshape(-1)
+
+        # --- drafts and first tokens: where sampled tokens go ---
+        a["draft_write"] = _pad(row_base[dr] + context[dr], d_pad - n_d, dummy_base)
+        a["draft_prob_index"] = _pad(slot[dr] * k + draft_step[dr] - 1, d_pad - n_d, dummy * k)
+        a["prefill_write"] = row_base[prefill_samples] + context[prefill_samples]
+
+        # --- the attention plan (rows [0, n_p + n_v) attend fully) ---
+        if capacity is not None:
+            work, merge, _ = plan_work_lists(
+                query_start, context, n_p + n_v, n_sel, recent, group=self.group, block_m_full=block_m_full,
+                items=self.plan_items, capacity=capacity,
+            )  # fmt: skip
+            a["work"], a["merge"] = work.reshape(-1), merge.reshape(-1)
+        else:
+            a["work"] = a["merge"] = np.zeros(0, np.int64)
+
+        host_rows = {
+            "slot": slot[logits_row[real]],
+            "prefix_len": a["logits_prefix_len"][real],
+            "params": params[logits_row[real]],
+            "index": np.flatnonzero(real),
+        }
+        verify_rows = [rows[i] for i in vr]
+        return HostBatch(shape, rows, verify_rows, [rows[i] for i in prefill_samples], a, host_rows, updates)
+
+
+def _pad(values: np.ndarray, count: int, fill: int) -> np.ndarray:
+    """`values` followed by `count` copies of `fill`."""
+    return np.concatenate([np.asarray(values, dtype=np.int64), np.full(count, fill, np.int64)]) if count else values
+

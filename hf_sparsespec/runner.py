@@ -1,0 +1,347 @@
+"""ModelRunner: the device side of an iteration, its static buffers, and its CUDA graphs.
+
+    run(batch):  upload (one copy) -> [apply new page-table entries] -> step on the device -> start
+                 the copy of the results to pinned host memory (read later, behind an event)
+
+The device step is one function: gather input ids from the token buffer, the unmodified
+transformers forward with the `"sparsespec"` attention, logits processing, sampling, acceptance, and
+the writes of drafts / first tokens / committed tokens back into the token buffer and of the
+results into a static buffer. It reads nothing but device buffers whose addresses never change, so an
+iteration of a padded bucket shape (no prefill rows) is captured once per shape in a CUDA graph and
+replayed afterwards; other iterations, every iteration on CPU, and pipelines with host-synchronising
+logits processors run the same function eagerly.
+
+Buffers owned here (the last row of every per-slot buffer is the dummy slot that padding writes):
+    token_buffer  [num_slots + 1, history_width] int64  every request's padding, prompt and tokens
+    draft_probs   [(num_slots + 1) * k, vocab] fp32     processed draft distributions (sampling only)
+    page_table    [num_slots + 1, max_pages] int32      every slot's pages (updated with new entries)
+    staging / metadata                                  the int32 fields of `batch.StepShape.fields`
+    results       int64: per verify slot [accepted, k drafts, next], then prefill first tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hf_sparsespec.batch import HostBatch, StepShape
+from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
+from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled, sample_from
+from hf_sparsespec.step import StepBatch
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPHS = 64  # captured shapes kept; later shapes run eagerly
+
+
+@dataclass
+class StepViews:
+    """Device views of one shape's fields in the metadata buffer (and the shape's step object)."""
+
+    shape: StepShape
+    fields: dict[str, torch.Tensor]
+    host: dict[str, object]  # numpy views of the staging buffer, same names
+    size: int
+
+
+@dataclass
+class RunnerCounters:
+    """What the runner did (for benchmarks and tuning): iterations by mode, graphs, and, when
+    `ModelRunner.time_iterations` is set, one (start, end) CUDA event pair per iteration that spans
+    its upload, device step and result copy."""
+
+    eager_iterations: int = 0
+    graph_replays: int = 0
+    graphs_captured: int = 0
+    capture_seconds: float = 0.0
+    iteration_events: list = dataclasses.field(default_factory=list)
+
+    def gpu_milliseconds(self) -> list[float]:
+        """Device time of each timed iteration (synchronises)."""
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in self.iteration_events]
+
+
+@dataclass
+class PendingResults:
+    """An iteration in flight: its batch and where its results land on the host."""
+
+    batch: HostBatch
+    values: torch.Tensor  # int64 [num_results], pinned host memory on CUDA
+    ready: torch.cuda.Event | None
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.values.tolist()
+
+
+class ModelRunner:
+    """Static buffers, the device step, capture and replay (see the module docstring)."""
+
+    def __init__(self, model, cache, backend, pipeline: LogitsPipeline, do_sample: bool, *, k: int,
+                 num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
+                 group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
+                 logits_to_keep: bool, max_context: int) -> None:  # fmt: skip
+        self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
+        self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
+        self.num_sink_tokens, self.group = num_sink_tokens, group
+        self.cache_kwarg, self.logits_to_keep, self.max_context = cache_kwarg, logits_to_keep, max_context
+        device = cache.layers[0].keys.device
+        self.device = device
+        self.token_buffer = torch.zeros((num_slots + 1, history_width), dtype=torch.long, device=device)
+        self.draft_probs = None
+        if do_sample and k > 0:
+            self.draft_probs = torch.zeros(((num_slots + 1) * k, vocab_size), dtype=torch.float32, device=device)
+        max_pages = -(-history_width // cache.page_size)
+        self.page_table = torch.zeros((num_slots + 1, max_pages), dtype=torch.int32, device=device)
+        pinned = device.type == "cuda"
+        size = largest.size + 2 * max_page_updates
+        self.staging = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+        self.staging_np = self.staging.numpy()
+        self.metadata = torch.zeros(size, dtype=torch.int32, device=device)
+        num_results = largest.num_verify_rows * (k + 2) + largest.num_prefill_samples
+        self.results = torch.zeros(num_results, dtype=torch.long, device=device)
+        self.result_ring = [torch.zeros(num_results, dtype=torch.long, pin_memory=pinned) for _ in range(3)]
+        self.ring_index = 0
+        self.scores = None
+        self.part_out = self.part_lse = None
+        if backend.needs_plan:
+            num_q_heads, head_dim, part_rows = cache.num_kv_heads * group, cache.head_dim, largest.plan.num_part_rows
+            self.part_out = torch.empty((part_rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
+            self.part_lse = torch.empty((part_rows, num_q_heads), dtype=torch.float32, device=device)
+            if selection == "pillar" and k > 0:
+                shape = (largest.num_verify_rows, cache.num_kv_heads, history_width)
+                self.scores = torch.empty(shape, dtype=torch.float32, device=device)
+        self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
+        self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, StepViews]] = {}
+        self.seen: dict[StepShape, int] = {}  # eager runs of each graph-able shape
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
+        self.checked_attention = False
+        self.counters = RunnerCounters()
+        self.time_iterations = False
+
+    # --- the host-facing calls --------------------------------------------------------------------
+    def write_history(self, slot: int, tokens: list[int]) -> None:
+        """Put a newly admitted request's padding and prompt into its row of the token buffer."""
+        history = torch.tensor(tokens, dtype=torch.long)
+        if self.device.type == "cuda":
+            history = history.pin_memory()
+        self.token_buffer[slot, : len(tokens)].copy_(history, non_blocking=True)
+
+    def run(self, batch: HostBatch) -> PendingResults:
+        shape = batch.shape
+        captured = self.graphs.get(shape) if self.use_graphs and shape.padded else None
+        views = captured[1] if captured is not None else self._views(shape)
+        start = end = None
+        if self.time_iterations:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._upload(batch, views)
+        if captured is not None:
+            captured[0].replay()
+            self.counters.graph_replays += 1
+        else:
+            self._step(views, batch)
+            self.counters.eager_iterations += 1
+            if self.use_graphs and shape.padded and len(self.graphs) < MAX_GRAPHS:
+                # a shape seen once may be a transient (requests joining or leaving): capture the second
+                self.seen[shape] = self.seen.get(shape, 0) + 1
+                if self.seen[shape] >= 2:
+                    self._capture(shape, views)
+        pending = self._start_read(batch)
+        if end is not None:
+            end.record()
+            self.counters.iteration_events.append((start, end))
+        return pending
+
+    # --- buffers ----------------------------------------------------------------------------------
+    def _views(self, shape: StepShape) -> StepViews:
+        fields, host, offset = {}, {}, 0
+        for name, count in shape.fields():
+            fields[name] = self.metadata[offset : offset + count]
+            host[name] = self.staging_np[offset : offset + count]
+            offset += count
+        n = shape.num_logits
+        fields["work"] = fields["work"].view(-1, 5)
+        fields["merge"] = fields["merge"].view(-1, 5)
+        fields["draft_index"] = fields["draft_index"].view(shape.num_verify_rows, self.k)
+        fields["draft_prob_row"] = fields["draft_prob_row"].view(-1)
+        fields["logits_params"] = fields["logits_params"].view(shape.num_params, n)
+        return StepViews(shape, fields, host, offset)
+
+    def _upload(self, batch: HostBatch, views: StepViews) -> None:
+        """Fill the staging buffer, copy it to the device at once, apply the new page-table entries."""
+        for name, values in batch.arrays.items():
+            views.host[name][:] = values
+        index, pages = batch.page_updates
+        updates, start = len(index), views.size
+        self.staging_np[start : start + updates] = index
+        self.staging_np[start + updates : start + 2 * updates] = pages
+        size = start + 2 * updates
+        self.metadata[:size].copy_(self.staging[:size], non_blocking=True)
+        if updates:
+            self.page_table.view(-1)[self.metadata[start : start + updates].long()] = self.metadata[start + updates : size]
+
+    def _start_read(self, batch: HostBatch) -> PendingResults:
+        n = batch.num_results
+        if self.device.type != "cuda":
+            return PendingResults(batch, self.results[:n].clone(), None)
+        host = self.result_ring[self.ring_index][:n]
+        self.ring_index = (self.ring_index + 1) % len(self.result_ring)
+        host.copy_(self.results[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingResults(batch, host, event)
+
+    def _capture(self, shape: StepShape, views: StepViews) -> None:
+        """Record the step of `shape` (its eager run just happened: kernels are compiled). Capturing
+        records without executing; replays then run it with whatever the buffers hold."""
+        began = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        stream = self.capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    self._step(views, None)
+                finally:
+                    graph.capture_end()
+        except Exception as error:  # a model or processor that cannot be captured: stay eager
+            logger.warning("hf_sparsespec: CUDA graph capture failed, running eagerly: %s", error)
+            self.use_graphs = False
+            torch.cuda.synchronize()
+            return
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graphs[shape] = (graph, views)
+        self.counters.graphs_captured += 1
+        self.counters.capture_seconds += time.perf_counter() - began
+
+    # --- the device step ----------------------------------------------------------------------------
+    def _step(self, views: StepViews, batch: HostBatch | None) -> None:
+        """One iteration on the device (eager, or recorded into a graph when `batch` is None)."""
+        shape, f = views.shape, views.fields
+        spec = shape.spec_len
+        flat_tokens = self.token_buffer.view(-1)
+        if self.selection == "streaming" and shape.num_verify_rows:
+            self._write_streaming_selection(f)
+        step = StepBatch(
+            backend=self.backend,
+            cache=self.cache,
+            num_full_rows=shape.num_prefill_rows + (len(batch.verify_rows) if batch is not None else 0),
+            slot_mapping=f["kv_slot"].long(),
+            page_table=self.page_table.index_select(0, f["row_slot"]),
+            query_start=f["query_start"],
+            context_lens=f["context_len"],
+            recent_start=f["recent_start"],
+            selection_slot=f["selection_slot"],
+            num_selected=f["num_selected"],
+            plan=self._plan(shape, f),
+            num_verify_rows=shape.num_verify_rows,
+            verify_page_table=None,
+            verify_query_start=f["verify_query_start"],
+            num_old_keys=f["num_old_keys"],
+            budgets=f["budget"],
+            verify_slots=f["verify_slot"].long(),
+            scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
+            score_verify_rows=self.selection == "pillar" and self.k > 0,
+            max_context=self.max_context,
+        )
+        p = shape.num_prefill_rows
+        step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
+        logits = self._forward(flat_tokens[f["input_index"].long()][None], f["position"].long()[None],
+                               f["logits_token"].long(), step)  # fmt: skip
+        rows = LogitsRows(
+            slot=f["logits_slot"].long(),
+            prefix_len=f["logits_prefix_len"].long(),
+            params=f["logits_params"].long(),
+            host=batch.host_rows if batch is not None else None,
+        )
+        scores = self.pipeline(logits, self.token_buffer, rows)
+        probs = torch.softmax(scores, dim=-1) if self.do_sample else None
+        tokens = sample_from(probs) if self.do_sample else scores.argmax(dim=-1)
+
+        v, d = shape.num_verify_rows, shape.num_draft_rows
+        results = []
+        if v:
+            draft_tokens = flat_tokens[f["draft_index"].long()]  # [v, k]
+            num_drafts = f["num_drafts"].long()
+            if probs is None:
+                accepted, next_token = accept_greedy(draft_tokens, num_drafts, tokens[: v * spec].view(v, spec))
+            else:
+                draft_probs = self._draft_probs(f["draft_prob_row"].long(), v, probs)
+                accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
+                                                      draft_probs)  # fmt: skip
+            flat_tokens[f["verify_base"].long() + accepted] = next_token
+            results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
+        if d:
+            draft_rows = slice(v * spec, v * spec + d)
+            self._store_drafts(f, tokens[draft_rows], probs[draft_rows] if probs is not None else None)
+        if shape.num_prefill_samples:
+            first = tokens[v * spec + d :]
+            flat_tokens[f["prefill_write"].long()] = first
+            results.append(first)
+        if results:
+            values = torch.cat(results)
+            self.results[: values.shape[0]].copy_(values)
+
+    def _store_drafts(self, f: dict, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+        """Keep this iteration's drafts (and their processed probabilities) for the verification."""
+        self.token_buffer.view(-1)[f["draft_write"].long()] = draft_tokens
+        if draft_probs is not None and self.draft_probs is not None:
+            self.draft_probs[f["draft_prob_index"].long()] = draft_probs
+
+    def _draft_probs(self, rows: torch.Tensor, num_verify: int, probs: torch.Tensor) -> torch.Tensor:
+        if self.draft_probs is None:  # k = 0: nothing was drafted
+            return probs.new_zeros((num_verify, 0, probs.shape[1]))
+        return self.draft_probs[rows].view(num_verify, self.k, -1)
+
+    def _plan(self, shape: StepShape, f: dict) -> AttentionPlan | None:
+        if shape.plan is None:
+            return None
+        return AttentionPlan(
+            work=f["work"], merge=f["merge"], num_part_rows=self.part_out.shape[0],
+            block_m_full=shape.block_m_full, block_m_draft=block_sizes(1, self.group)[1], group=self.group,
+            num_kv_heads=self.cache.num_kv_heads, part_out=self.part_out, part_lse=self.part_lse,
+        )  # fmt: skip
+
+    def _write_streaming_selection(self, f: dict) -> None:
+        """Streaming baseline: each verification's request keeps its first sink tokens and the newest
+        keys before the block, in every layer (positions >= the budget are unused)."""
+        budget = f["budget"].long()[:, None]
+        first = f["verify_first_position"].long()[:, None]
+        index = torch.arange(self.cache.selected.shape[-1], device=self.device)[None, :]
+        sink = torch.clamp(budget, max=self.num_sink_tokens)
+        positions = torch.where(index < sink, index, first - budget + index).to(torch.int32)  # [v, max_budget]
+        selected = self.cache.selected
+        expanded = positions[None, :, None, :].expand(selected.shape[0], -1, selected.shape[2], -1)
+        selected.index_copy_(1, f["verify_slot"].long(), expanded)
+
+    def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
+        kwargs = {self.cache_kwarg: self.cache}
+        if self.logits_to_keep:
+            kwargs["logits_to_keep"] = logits_index
+        self.cache.active_step = step
+        try:
+            outputs = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                 sparsespec_step=step, **kwargs)  # fmt: skip
+        finally:
+            self.cache.active_step = None
+        if not self.checked_attention:
+            self.checked_attention = True
+            num_layers = len(self.cache.layers)
+            if step.attention_calls != num_layers:
+                raise NotImplementedError(
+                    f"{type(self.model).__name__} ran {step.attention_calls} of its {num_layers} attention layers "
+                    "through transformers' AttentionInterface; hf_sparsespec needs all of them"
+                )
+        logits = outputs.logits[0]
+        if not self.logits_to_keep:
+            logits = logits[logits_index]
+        return logits.float()  # [num_logits, vocab]

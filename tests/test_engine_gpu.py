@@ -1,0 +1,69 @@
+"""The engine on a GPU with CUDA graphs: captured and replayed decode iterations give exactly what
+eager iterations and plain `generate` give. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import assert_greedy_equal, ragged_batch, tiny_model
+
+import hf_sparsespec  # noqa: F401  (registers the strategy)
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.runner import ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def runners(monkeypatch):
+    """Every ModelRunner made during the test (to read its counters)."""
+    made = []
+    original = ModelRunner.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(ModelRunner, "__init__", init)
+    return made
+
+
+def _generate(model, ids, mask, config, max_new_tokens=48, **kwargs):
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, generation_strategy="sparsespec",
+        sparsespec_config=config, return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("k", [0, 4])
+def test_graphs_equal_eager_and_plain_generate(arch, k, runners):
+    model = tiny_model(arch).cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
+    graphs = _generate(model, ids, mask, config, do_sample=False)
+    eager = _generate(model, ids, mask, SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4,
+                                                         cuda_graphs=False), do_sample=False)  # fmt: skip
+    assert_greedy_equal(model, expected, graphs.sequences, mask)
+    assert torch.equal(graphs.sequences, eager.sequences)
+    assert graphs.sparsespec_stats.total.as_dict() == eager.sparsespec_stats.total.as_dict()
+    with_graphs, without = runners
+    assert with_graphs.counters.graph_replays > with_graphs.counters.eager_iterations > 0
+    assert with_graphs.counters.graphs_captured > 0
+    assert without.counters.graph_replays == 0
+
+
+@pytest.mark.parametrize("selection", ["pillar", "streaming"])
+def test_sampling_with_graphs_is_seeded_and_accepts_drafts(selection, runners):
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, selection=selection, num_sink_tokens=1)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outs.append(_generate(model, ids, mask, config, do_sample=True, temperature=0.8, top_k=20))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    total = outs[0].sparsespec_stats.total
+    assert 0 < total.accepted_drafts < total.drafted_tokens
+    assert all(r.counters.graph_replays > 0 for r in runners)

@@ -1,0 +1,270 @@
+"""The graph-free parts of the GPU-bound engine, on CPU: the vectorised batch builder against a
+per-row construction, the single logits pipeline against per-row processors, bucket padding, and the
+autoregressive mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import VOCAB, assert_greedy_equal, ragged_batch, tiny_model
+from transformers import GenerationConfig
+from transformers.generation import logits_process as lp
+
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.attention import use_attention
+from hf_sparsespec.batch import BatchBuilder, DevicePageTable
+from hf_sparsespec.cache import PageAllocator
+from hf_sparsespec.engine import Engine
+from hf_sparsespec.results import StopChecker
+from hf_sparsespec.sampling import LogitsPipeline, LogitsRows
+from hf_sparsespec.scheduler import Request, RowKind, ScheduledRow
+
+# --- the batch builder ---------------------------------------------------------------------------
+
+
+def _reference_fields(rows, allocator, width, k):
+    """The per-row construction the builder vectorises (the engine's packing before graphs)."""
+    f = {name: [] for name in ("input_index", "position", "kv_slot", "query_start", "context_len", "recent_start",
+                               "num_selected", "selection_slot", "logits_token", "logits_prefix_len",
+                               "logits_slot", "draft_write", "draft_prob_index", "prefill_write",
+                               "verify_base", "num_drafts", "num_old_keys", "budget")}  # fmt: skip
+    f["query_start"].append(0)
+    for row in rows:
+        request = row.request
+        base = request.slot * width + request.history_offset
+        start = f["query_start"][-1]
+        for position in range(row.first_position, row.context_len):
+            f["input_index"].append(base + position)
+            f["position"].append(position)
+            f["kv_slot"].append(allocator.slot(request.request_id, position))
+        f["query_start"].append(start + row.num_tokens)
+        f["context_len"].append(row.context_len)
+        is_draft = row.kind is RowKind.DRAFT
+        f["recent_start"].append(request.recent_start if is_draft else 0)
+        f["num_selected"].append(request.num_selected if is_draft else 0)
+        f["selection_slot"].append(request.slot if is_draft else 0)
+    logits = {RowKind.VERIFY: [], RowKind.DRAFT: [], RowKind.PREFILL: []}
+    for index, row in enumerate(rows):
+        request, start = row.request, f["query_start"][index]
+        base = request.slot * width + request.history_offset
+        if row.kind is RowKind.VERIFY:
+            m = row.num_tokens - 1
+            f["verify_base"].append(base + row.first_position + 1)
+            f["num_drafts"].append(m)
+            f["num_old_keys"].append(row.first_position)
+            f["budget"].append(row.budget)
+            for j in range(k + 1):
+                jj = min(j, m)
+                logits[row.kind].append((start + jj, request.history_offset + row.first_position + jj + 1, request.slot))
+        elif row.kind is RowKind.DRAFT:
+            logits[row.kind].append((start, request.history_offset + row.context_len, request.slot))
+            f["draft_write"].append(base + row.context_len)
+            f["draft_prob_index"].append(request.slot * k + row.draft_index - 1)
+        elif row.samples:
+            logits[row.kind].append((start + row.num_tokens - 1, request.history_offset + row.context_len, request.slot))
+            f["prefill_write"].append(base + row.context_len)
+    for kind in (RowKind.VERIFY, RowKind.DRAFT, RowKind.PREFILL):
+        for token, prefix, slot in logits[kind]:
+            f["logits_token"].append(token)
+            f["logits_prefix_len"].append(prefix)
+            f["logits_slot"].append(slot)
+    return f
+
+
+@st.composite
+def schedules(draw):
+    k = draw(st.integers(1, 6))
+    page_size = draw(st.sampled_from([1, 3, 16]))
+    num_requests = draw(st.integers(1, 9))
+    kinds = sorted(draw(st.lists(st.sampled_from(list(RowKind)), min_size=num_requests, max_size=num_requests)))
+    slots = draw(st.permutations(range(num_requests + draw(st.integers(0, 3)))))[:num_requests]
+    specs = []
+    for kind, slot in zip(kinds, slots):
+        offset = draw(st.integers(0, 5))
+        if kind is RowKind.PREFILL:
+            first, n = draw(st.integers(0, 40)), draw(st.integers(1, 30))
+            specs.append((kind, slot, offset, first, n, draw(st.booleans()), 0, 0, 0, 0))
+        elif kind is RowKind.VERIFY:
+            first, m = draw(st.integers(1, 60)), draw(st.integers(0, k))
+            specs.append((kind, slot, offset, first, m + 1, True, 0, draw(st.integers(0, first)), 0, 0))
+        else:
+            position = draw(st.integers(1, 60))
+            recent = draw(st.integers(0, position))
+            specs.append((kind, slot, offset, position, 1, True, draw(st.integers(1, k)), 0, recent,
+                          draw(st.integers(0, recent))))  # fmt: skip
+    return k, page_size, specs, draw(st.booleans())
+
+
+@settings(max_examples=120, deadline=None)
+@given(schedules())
+def test_builder_equals_the_per_row_construction(schedule):
+    k, page_size, specs, pad = schedule
+    num_slots, width = 16, 128
+    allocator = PageAllocator(4096, page_size)
+    rows = []
+    for index, (kind, slot, offset, first, n, samples, draft_index, budget, recent, n_sel) in enumerate(specs):
+        request = Request(index, list(range(1, 50)), 60, padding=[0] * offset, slot=slot)
+        request.recent_start, request.num_selected = recent, n_sel
+        allocator.reserve(index, 200)
+        allocator.ensure(index, first + n)
+        rows.append(ScheduledRow(request, kind, first, n, samples, draft_index=draft_index, budget=budget))
+    builder = BatchBuilder(k, num_slots, width, page_size, DevicePageTable(num_slots, width // page_size + 2),
+                           group=2, num_kv_heads=2, plan_items=4, num_params=0, pad=pad)  # fmt: skip
+    batch = builder.build(rows, allocator)
+    a, ref = batch.arrays, _reference_fields(rows, allocator, width, k)
+    n_tokens, n_rows = len(ref["input_index"]), len(rows)
+    for name in ("input_index", "position", "kv_slot"):
+        assert a[name][:n_tokens].tolist() == ref[name], name
+    assert (a["kv_slot"][n_tokens:] == -1).all()  # padding tokens write no KV
+    for name in ("query_start", "context_len", "recent_start", "num_selected", "selection_slot"):
+        assert a[name][: len(ref[name])].tolist() == ref[name], name
+    n_verify = sum(r.kind is RowKind.VERIFY for r in rows)
+    for name in ("verify_base", "num_drafts", "num_old_keys", "budget"):
+        assert a[name][:n_verify].tolist() == ref[name], name
+    shape = batch.shape
+    dummy = num_slots * width
+    assert (a["num_drafts"][n_verify:] == 0).all() and (a["verify_base"][n_verify:] == dummy).all()
+    # logits rows: [verify x (k + 1)][drafts][prefill samples], padding rows read the dummy slot
+    spec = k + 1
+    real = [i for i in range(shape.num_logits) if a["logits_slot"][i] != num_slots]
+    assert len(real) == len(ref["logits_token"])
+    for name in ("logits_token", "logits_prefix_len", "logits_slot"):
+        assert a[name][real].tolist() == ref[name], name
+    assert real[: n_verify * spec] == list(range(n_verify * spec))
+    n_draft = len(ref["draft_write"])
+    assert a["draft_write"][:n_draft].tolist() == ref["draft_write"]
+    assert (a["draft_write"][n_draft:] == dummy).all()
+    assert a["draft_prob_index"][:n_draft].tolist() == ref["draft_prob_index"]
+    assert a["prefill_write"].tolist() == ref["prefill_write"]
+    if pad and not any(r.kind is RowKind.PREFILL for r in rows):
+        assert shape.padded and shape.num_tokens == shape.num_verify_rows * spec + shape.num_draft_rows
+    assert shape.num_rows >= n_rows and shape.size == sum(n for _, n in shape.fields())
+    # the work list covers each (row, key) of the real rows once; padding items are no-ops
+    work = a["work"].reshape(-1, 5)
+    assert work.shape[0] == shape.plan.num_work
+    covered = {}
+    for row, q_begin, key_begin, key_end, _ in work[work[:, 0] >= 0].tolist():
+        covered.setdefault((row, q_begin), []).append((key_begin, key_end))
+    for ranges in covered.values():
+        ranges.sort()
+        assert ranges[0][0] == 0 and all(a1 == b0 for (_, a1), (b0, _) in zip(ranges, ranges[1:]))
+    assert {row for row, _ in covered} == set(range(n_rows))
+
+
+# --- the logits pipeline ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ignore", [None, 2, "per_row"])
+def test_single_pipeline_equals_per_row_processors(ignore):
+    """Rows of requests with different prompt lengths (and paddings), history-dependent processors:
+    one vectorised call equals applying each request's own processors to each row's prefix."""
+    torch.manual_seed(0)
+    eos = torch.tensor([5, 9])
+    prompts = [(0, 7), (3, 2), (1, 12)]  # (padding, prompt length) of three requests
+    ignore_of = {None: [0, 0, 0], 2: [2, 2, 2], "per_row": [0, 3, 1]}[ignore]
+    prompt_ignore = torch.tensor(ignore_of) if ignore == "per_row" else ignore
+    rep = lp.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=prompt_ignore)
+    processors = [
+        lp.MinLengthLogitsProcessor(11, eos),
+        lp.MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=4, min_new_tokens=3, eos_token_id=eos),
+        rep,
+        lp.TemperatureLogitsWarper(0.7),
+        lp.TopKLogitsWarper(20),
+    ]
+    pipeline = LogitsPipeline(processors)
+    assert pipeline.graph_safe and pipeline.num_params == 3
+    requests = [Request(i, list(range(1, n + 1)), 30, padding=[0] * pad, batch_row=i) for i, (pad, n) in enumerate(prompts)]
+    params = [pipeline.request_params(r) for r in requests]
+    token_buffer = torch.randint(0, VOCAB, (4, 40))
+    row_requests = [0, 1, 2, 1, 0, 2, 2, 1]
+    prefix = [7, 6, 14, 9, 13, 25, 15, 5]
+    scores = torch.randn(len(row_requests), VOCAB)
+    rows = LogitsRows(
+        slot=torch.tensor(row_requests), prefix_len=torch.tensor(prefix),
+        params=torch.tensor([params[r] for r in row_requests]).T.contiguous(),
+    )  # fmt: skip
+    actual = pipeline(scores.clone(), token_buffer, rows)
+    for i, (r, n) in enumerate(zip(row_requests, prefix)):
+        request = requests[r]
+        history = token_buffer[r : r + 1, :n]
+        expected = scores[i : i + 1].clone()
+        own = [
+            lp.MinLengthLogitsProcessor(11, eos),
+            lp.MinNewTokensLengthLogitsProcessor(request.history_offset + request.prompt_len, 3, eos),
+            lp.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=ignore_of[r]),
+            lp.TemperatureLogitsWarper(0.7),
+            lp.TopKLogitsWarper(20),
+        ]
+        for processor in own:
+            expected = processor(history, expected)
+        torch.testing.assert_close(actual[i : i + 1], expected, msg=f"row {i}")
+
+
+# --- bucket padding and the autoregressive mode through the engine --------------------------------
+
+
+def _run_engine(model, prompts, config, pad, max_new_tokens=24):
+    requests = [Request(i, p, max_new_tokens, batch_row=i) for i, p in enumerate(prompts)]
+    engine = Engine(model, requests, config, LogitsPipeline([]), False, StopChecker(set(), [], torch.device("cpu")),
+                    pad_to_buckets=pad)  # fmt: skip
+    shapes = []
+    original = engine.runner.run
+
+    def run(batch):
+        shapes.append(batch.shape)
+        return original(batch)
+
+    engine.runner.run = run
+    with use_attention(model), torch.no_grad():
+        engine.run()
+    return engine, requests, shapes
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bucket_padding_writes_no_kv_and_samples_nothing(backend):
+    model = tiny_model("qwen2")
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
+    config = SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4, backend=backend)
+    exact, exact_requests, exact_shapes = _run_engine(model, prompts, config, pad=False)
+    padded, padded_requests, padded_shapes = _run_engine(model, prompts, config, pad=True)
+    assert any(s.padded and s.num_rows > s.num_verify_rows for s in padded_shapes)
+    assert not any(s.padded for s in exact_shapes)
+    for a, b in zip(exact_requests, padded_requests):
+        assert a.generated == b.generated and a.stats.accepted_histogram == b.stats.accepted_histogram
+    # The same KV in every page either run wrote (the page pools start zeroed; padding writes none),
+    # the same token histories; only the dummy slot differs.
+    for la, lb in zip(exact.cache.layers, padded.cache.layers):
+        torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(la.values, lb.values, rtol=0, atol=1e-5)
+    num_slots = exact.layout.num_slots
+    assert torch.equal(exact.runner.token_buffer[:num_slots], padded.runner.token_buffer[:num_slots])
+    assert padded.runner.token_buffer[num_slots].any()  # padding rows sampled into the dummy slot only
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_autoregressive_mode_equals_plain_generate(arch):
+    model = tiny_model(arch)
+    ids, mask = ragged_batch([9, 3, 14, 6])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    config = SparseSpecConfig(num_draft_tokens=0, page_size=4)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                         generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True)  # fmt: skip
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    total = out.sparsespec_stats.total
+    assert total.drafted_tokens == 0 and total.generated_tokens == 4 + total.cycles  # one token per iteration
+
+
+def test_autoregressive_mode_stops_at_eos_with_iterations_in_flight():
+    model = tiny_model("llama")
+    prompt = [[5, 17, 3, 8, 1]]
+    plain = model.generate(input_ids=torch.tensor(prompt), max_new_tokens=12, do_sample=False)[0, 5:].tolist()
+    eos = plain[6]
+    expected = plain[: plain.index(eos) + 1]
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    from hf_sparsespec import generate_batch
+
+    result = generate_batch(model, prompt, config, SparseSpecConfig(num_draft_tokens=0))[0]
+    assert result.generated_ids == expected and result.finish_reason == "eos"
+
