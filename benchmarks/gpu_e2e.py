@@ -7,9 +7,7 @@
   reports tokens equal up to the first divergence and the top-2 logit gap of plain decoding there
   (a numeric tie when small), and the acceptance statistics of both backends.
 - accept: sampled acceptance (T=0.6) of PillarAttn vs streaming vs dense on mmath prompts.
-- throughput: a forced-length batch (min_new_tokens = max_new_tokens), sampling T=0.65: HF generate
-  with the static cache, our dense drafting, our PillarAttn; tokens/s and ratios.
-Prints tables last and writes JSON into --out.
+Throughput is measured by `e2e_throughput.py`. Prints tables last and writes JSON into --out.
 """
 
 from __future__ import annotations
@@ -23,12 +21,12 @@ from pathlib import Path
 import torch
 import transformers
 import triton
+from loading import load_gguf
 from prompts import distinct_ngrams, reasoning_prompts
 from transformers import GenerationConfig
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.demo_model import load_smollm2
 
 
 def sync() -> None:
@@ -156,59 +154,16 @@ def phase_accept(model, tokenizer, args, report):
               f"{r['histogram']} | {r['distinct4']:.2f} | {r['seconds']:.0f} |")
 
 
-def phase_throughput(model, tokenizer, args, report):
-    m = copy.deepcopy(model).to(torch.bfloat16)
-    prompts = reasoning_prompts(tokenizer, args.batch)
-    ids, mask = padded(tokenizer, prompts, args.device)
-    n = args.new_tokens
-    settings = dict(do_sample=True, temperature=0.65, top_k=0, max_new_tokens=n, min_new_tokens=n)
-    rows = []
-
-    def timed(name, fn):
-        sync()
-        start = time.perf_counter()
-        out = fn()
-        sync()
-        seconds = time.perf_counter() - start
-        tokens = args.batch * n
-        row = {"run": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-        if hasattr(out, "sparsespec_stats"):
-            row["mean_accepted"] = out.sparsespec_stats.total.mean_accepted_per_cycle
-        rows.append(row)
-        print(f"{name}: {tokens / seconds:.0f} tok/s", flush=True)
-
-    warm = dict(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=16, do_sample=True)
-    m.generate(**warm, cache_implementation="static")
-    m.generate(**warm, generation_strategy="sparsespec")
-    timed("HF generate, static cache", lambda: m.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **settings))
-    for selection in ("dense", "pillar"):
-        config = SparseSpecConfig(selection=selection, min_budget=64)
-        timed(f"sparsespec {selection}", lambda c=config: m.generate(
-            input_ids=ids, attention_mask=mask, generation_strategy="sparsespec", sparsespec_config=c,
-            return_dict_in_generate=True, **settings))
-    base = rows[0]["tokens_per_s"]
-    dense = rows[1]["tokens_per_s"]
-    report["throughput"] = rows
-    print(f"\nbatch {args.batch} x {n} new tokens (forced), sampling T=0.65, bf16")
-    print("| run | tok/s | vs HF static | vs our dense | mean accepted/cycle |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | "
-              f"{r['tokens_per_s'] / dense:.2f}x | {r.get('mean_accepted', float('nan')):.2f} |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True)
-    parser.add_argument("--phases", default="exact,accept,throughput")
+    parser.add_argument("--phases", default="exact,accept")
     parser.add_argument("--exact-prompts", type=int, default=4)
     parser.add_argument("--exact-tokens", type=int, default=192)
     parser.add_argument("--min-budget", type=int, default=64)
     parser.add_argument("--accept-prompts", type=int, default=8)
     parser.add_argument("--accept-tokens", type=int, default=1024)
     parser.add_argument("--accept-budgets", default="64,128")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
@@ -216,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    model, tokenizer = load_smollm2(torch.float32, args.device, path=args.gguf)
+    model, tokenizer = load_gguf(args.gguf, torch.float32, args.device)
     print(f"loaded {args.gguf.name} in {time.perf_counter() - start:.0f} s", flush=True)
     report = {"meta": {
         "model": args.gguf.name, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
@@ -224,7 +179,7 @@ def main() -> None:
     }}
     args.out.mkdir(parents=True, exist_ok=True)
     for phase in args.phases.split(","):
-        {"exact": phase_exact, "accept": phase_accept, "throughput": phase_throughput}[phase](model, tokenizer, args, report)
+        {"exact": phase_exact, "accept": phase_accept}[phase](model, tokenizer, args, report)
         (args.out / f"e2e_{args.gguf.stem}.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report["meta"]))
 

@@ -264,16 +264,18 @@ class ModelRunner:
             host=batch.host_rows if batch is not None else None,
         )
         scores = self.pipeline(logits, self.token_buffer, rows)
-        probs = torch.softmax(scores, dim=-1) if self.do_sample else None
-        tokens = sample_from(probs) if self.do_sample else scores.argmax(dim=-1)
-
         v, d = shape.num_verify_rows, shape.num_draft_rows
+        # Verifications sample inside the acceptance; drafts and first tokens sample here.
+        probs = torch.softmax(scores, dim=-1) if self.do_sample else None
+        tokens = sample_from(probs[v * spec :]) if self.do_sample else scores.argmax(dim=-1)[v * spec :]
+
         results = []
         if v:
             draft_tokens = flat_tokens[f["draft_index"].long()]  # [v, k]
             num_drafts = f["num_drafts"].long()
             if probs is None:
-                accepted, next_token = accept_greedy(draft_tokens, num_drafts, tokens[: v * spec].view(v, spec))
+                targets = scores[: v * spec].argmax(dim=-1).view(v, spec)
+                accepted, next_token = accept_greedy(draft_tokens, num_drafts, targets)
             else:
                 draft_probs = self._draft_probs(f["draft_prob_row"].long(), v, probs)
                 accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
@@ -281,10 +283,10 @@ class ModelRunner:
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
         if d:
-            draft_rows = slice(v * spec, v * spec + d)
-            self._store_drafts(f, tokens[draft_rows], probs[draft_rows] if probs is not None else None)
+            draft_probs = probs[v * spec : v * spec + d] if probs is not None else None
+            self._store_drafts(f, tokens[:d], draft_probs)
         if shape.num_prefill_samples:
-            first = tokens[v * spec + d :]
+            first = tokens[d:]
             flat_tokens[f["prefill_write"].long()] = first
             results.append(first)
         if results:

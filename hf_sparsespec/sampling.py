@@ -123,7 +123,7 @@ class LogitsPipeline:
         for index, (_, kind) in enumerate(self.steps):
             if kind in ("min_length", "repetition"):
                 self.param_index[index] = len(self.param_index)
-        self._eos_masks: dict[int, torch.Tensor] = {}
+        self._eos_ids_of: dict[int, torch.Tensor] = {}
 
     @property
     def num_params(self) -> int:
@@ -160,21 +160,21 @@ class LogitsPipeline:
         for index, (processor, kind) in enumerate(self.steps):
             if kind == "row":
                 scores = processor(empty, scores)
-            elif kind == "min_length":
+            elif kind == "min_length":  # only the eos columns change: touch only them
                 banned = rows.prefix_len < rows.params[self.param_index[index]]  # [num_logits]
-                scores = scores.masked_fill(banned[:, None] & self._eos_mask(index, scores)[None, :], float("-inf"))
+                eos = self._eos_ids(index, scores.device)
+                scores = scores.index_copy(1, eos, scores[:, eos].masked_fill(banned[:, None], float("-inf")))
             elif kind == "repetition":
                 scores = _repetition_penalty(processor.penalty, scores, token_buffer, rows, rows.params[self.param_index[index]])
             else:
                 scores = _by_prefix_length(processor, scores, token_buffer, rows)
         return scores
 
-    def _eos_mask(self, index: int, scores: torch.Tensor) -> torch.Tensor:
-        if index not in self._eos_masks:
-            mask = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-            mask[self.steps[index][0].eos_token_id.to(scores.device).flatten()] = True
-            self._eos_masks[index] = mask
-        return self._eos_masks[index]
+    def _eos_ids(self, index: int, device: torch.device) -> torch.Tensor:
+        if index not in self._eos_ids_of:
+            eos = torch.as_tensor(self.steps[index][0].eos_token_id).flatten()
+            self._eos_ids_of[index] = eos.unique().to(device=device, dtype=torch.long)
+        return self._eos_ids_of[index]
 
 
 def _repetition_penalty(penalty: float, scores, token_buffer, rows: LogitsRows, ignore: torch.Tensor) -> torch.Tensor:
