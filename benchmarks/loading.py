@@ -27,9 +27,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: str):
     cache = path.with_suffix(".state")
     if (cache / "weights.pt").is_file():
         config = AutoConfig.from_pretrained(cache)
-        with torch.device("meta"):
+        with torch.device(device):  # non-persistent buffers (rotary frequencies) come from the config
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.load_state_dict(torch.load(cache / "weights.pt", map_location="cpu", mmap=True), assign=True)
+        model.load_state_dict(torch.load(cache / "weights.pt", map_location="cpu", mmap=True))
         model.generation_config = GenerationConfig.from_pretrained(cache)
         tokenizer = AutoTokenizer.from_pretrained(cache)
     else:

@@ -15,7 +15,7 @@ Buffers owned here (the last row of every per-slot buffer is the dummy slot that
     token_buffer  [num_slots + 1, history_width] int64  every request's padding, prompt and tokens
     draft_probs   [(num_slots + 1) * k, vocab] fp32     processed draft distributions (sampling only)
     page_table    [num_slots + 1, max_pages] int32      every slot's pages (updated with new entries)
-    staging / metadata                                  the int32 fields of `batch.StepShape.fields`
+    staging (x2, pinned) / metadata                     the int32 fields of `batch.StepShape.fields`
     results       int64: per verify slot [accepted, k drafts, next], then prefill first tokens
 """
 
@@ -44,7 +44,7 @@ class StepViews:
 
     shape: StepShape
     fields: dict[str, torch.Tensor]
-    host: dict[str, object]  # numpy views of the staging buffer, same names
+    offsets: dict[str, tuple[int, int]]  # (start, count) of each field in the staging buffers
     size: int
 
 
@@ -101,8 +101,10 @@ class ModelRunner:
         self.page_table = torch.zeros((num_slots + 1, max_pages), dtype=torch.int32, device=device)
         pinned = device.type == "cuda"
         size = largest.size + 2 * max_page_updates
-        self.staging = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
-        self.staging_np = self.staging.numpy()
+        # Two staging buffers, alternating: the host fills one while the other's copy may still be queued.
+        self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self.staging_uploaded: list[torch.cuda.Event | None] = [None, None]
+        self.staging_index = 0
         self.metadata = torch.zeros(size, dtype=torch.int32, device=device)
         num_results = largest.num_verify_rows * (k + 2) + largest.num_prefill_samples
         self.results = torch.zeros(num_results, dtype=torch.long, device=device)
@@ -162,10 +164,10 @@ class ModelRunner:
 
     # --- buffers ----------------------------------------------------------------------------------
     def _views(self, shape: StepShape) -> StepViews:
-        fields, host, offset = {}, {}, 0
+        fields, offsets, offset = {}, {}, 0
         for name, count in shape.fields():
             fields[name] = self.metadata[offset : offset + count]
-            host[name] = self.staging_np[offset : offset + count]
+            offsets[name] = (offset, count)
             offset += count
         n = shape.num_logits
         fields["work"] = fields["work"].view(-1, 5)
@@ -173,18 +175,28 @@ class ModelRunner:
         fields["draft_index"] = fields["draft_index"].view(shape.num_verify_rows, self.k)
         fields["draft_prob_row"] = fields["draft_prob_row"].view(-1)
         fields["logits_params"] = fields["logits_params"].view(shape.num_params, n)
-        return StepViews(shape, fields, host, offset)
+        return StepViews(shape, fields, offsets, offset)
 
     def _upload(self, batch: HostBatch, views: StepViews) -> None:
-        """Fill the staging buffer, copy it to the device at once, apply the new page-table entries."""
+        """Fill a staging buffer, copy it to the device at once, apply the new page-table entries."""
+        index = self.staging_index
+        self.staging_index = 1 - index
+        if self.staging_uploaded[index] is not None:
+            self.staging_uploaded[index].synchronize()  # its last copy was queued two iterations ago
+        staging = self.staging[index]
+        host = staging.numpy()
         for name, values in batch.arrays.items():
-            views.host[name][:] = values
-        index, pages = batch.page_updates
-        updates, start = len(index), views.size
-        self.staging_np[start : start + updates] = index
-        self.staging_np[start + updates : start + 2 * updates] = pages
+            start, count = views.offsets[name]
+            host[start : start + count] = values
+        pages, values = batch.page_updates
+        updates, start = len(pages), views.size
+        host[start : start + updates] = pages
+        host[start + updates : start + 2 * updates] = values
         size = start + 2 * updates
-        self.metadata[:size].copy_(self.staging[:size], non_blocking=True)
+        self.metadata[:size].copy_(staging[:size], non_blocking=True)
+        if self.device.type == "cuda":
+            self.staging_uploaded[index] = torch.cuda.Event()
+            self.staging_uploaded[index].record()
         if updates:
             self.page_table.view(-1)[self.metadata[start : start + updates].long()] = self.metadata[start + updates : size]
 

@@ -8,7 +8,6 @@ from models import assert_greedy_equal, ragged_batch, tiny_model
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.engine import Engine
 from hf_sparsespec.runner import ModelRunner
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
