@@ -23,6 +23,10 @@ class RequestStats:
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # index a: cycles that accepted a drafts
 
+    def reset(self) -> None:
+        self.cycles = self.drafted_tokens = self.accepted_drafts = self.generated_tokens = 0
+        self.accepted_histogram = []
+
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
         self.drafted_tokens += drafted
