@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -180,11 +181,13 @@ def generate(
     pad = _pad_token(generation_config, eos_ids)
     stop_checker = StopChecker(eos_ids, criteria, input_ids.device, requests, pad, pads_finished_rows)
     pipeline = LogitsPipeline(logits_processor if logits_processor is not None else [])
+    start = time.perf_counter()
     try:
         _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker, streamer)
     finally:
         if streamer is not None:
             streamer.end()
+    elapsed = time.perf_counter() - start
     width = max(len(r.generated) for r in requests)
     generated = torch.full((batch_size, width), pad, dtype=input_ids.dtype)
     for row, request in enumerate(requests):
@@ -192,7 +195,7 @@ def generate(
     sequences = torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
-    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests])
+    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests], elapsed)
     return SparseSpecGenerateOutput(sequences=sequences, sparsespec_stats=stats)
 
 
