@@ -140,7 +140,7 @@ class SparseSpecStats:
 
     def __str__(self) -> str:
         width = max(len(label) for label, _ in self.summary_rows())
-        lines = [f"SparseSpecStats"] + [f"  {label:<{width}}  {value}" for label, value in self.summary_rows()]
+        lines = ["SparseSpecStats"] + [f"  {label:<{width}}  {value}" for label, value in self.summary_rows()]
         lines.append(f"  {'accepted drafts histogram':<{width}}  {_histogram_line(self.total.accepted_histogram)}")
         return "\n".join(lines)
 
