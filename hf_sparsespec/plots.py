@@ -112,9 +112,9 @@ def save_eval_plots(report: Mapping, out_dir: str | Path) -> list[Path]:
             {name: run["stats"]["total"]["accepted_histogram"] for name, run in runs.items()}, ax=ax
         )
         traces = {name: [r["cycle_accepted"] for r in run["stats"]["per_request"]] for name, run in runs.items()}
-        longest = max((len(t) for ts in traces.values() for t in ts), default=0)
+        longest = max(s["output_tokens"] for run in runs.values() for s in run["samples"])
         figures["acceptance_by_position.png"] = lambda ax: plot_acceptance_by_position(
-            traces, bucket=_bucket(longest * (report["num_draft_tokens"] + 1)), ax=ax
+            traces, bucket=_bucket(longest), ax=ax
         )
     figures["throughput_by_length.png"] = lambda ax: plot_throughput_by_length(
         {

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from models import tiny_model, tiny_tokenizer
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -20,6 +19,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from hf_sparsespec.lm_eval import SparseSpecLM  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TASK = "tiny_sparsespec_gen"
@@ -49,16 +49,6 @@ def evaluate(lm, folder: Path, gen_kwargs: dict | None = None) -> tuple[float, l
     )
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
     return results["results"][TASK]["exact_match,none"], [s["resps"][0][0] for s in samples]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine lm-eval's runs of this tiny model are ~30x slower
-    with two OpenMP threads contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
