@@ -179,9 +179,10 @@ def _run_examples(model, tokenizer, examples: list[Example], task: str, config: 
     return records, times
 
 
-def run_eval(config: EvalConfig) -> dict:
+def run_eval(config: EvalConfig, model=None, tokenizer=None) -> dict:
     """Evaluate `config` (on this process's share of the examples when data parallel); returns the
-    gathered report (the same on every process)."""
+    gathered report (the same on every process). A `model` and `tokenizer` already loaded (e.g. in a
+    notebook) replace loading `config.model`; the tokenizer must pad on the left."""
     processes = Processes(cpu=config.device == "cpu")
     device = torch.device(config.device) if config.device else processes.device
     records = select(load_records(config.dataset, config.split), config)
@@ -189,7 +190,11 @@ def run_eval(config: EvalConfig) -> dict:
         raise ValueError(f"expected records to evaluate in {config.dataset!r} after filters/offset/limit, got none")
     task = detect_task(records, config)
     examples = to_examples(records, task, config)
-    model, tokenizer = load_model(config.model, config.dtype, device)
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(config.model, config.dtype, device)
+    elif tokenizer.padding_side != "left":
+        raise ValueError(f"expected a tokenizer with padding_side='left', got {tokenizer.padding_side!r}")
+    device = next(model.parameters()).device
     logger.info("evaluating %d examples (%s task) on %d process(es)", len(examples), task, processes.num_processes)
     mine = processes.share(examples)
     results, times = _run_examples(model, tokenizer, mine, task, config, device, show=processes.is_main)
