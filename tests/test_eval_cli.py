@@ -81,8 +81,21 @@ def test_filters_limit_one_mode_and_replot(assets, tmp_path):
     assert list(report["runs"]) == ["sparsespec"] and "identical_outputs" not in report
     assert not (tmp_path / "acceptance_histogram.png").exists()
     pytest.importorskip("matplotlib")
-    assert main(["--replot", str(tmp_path / "results.json")]) == 0
+    assert main(["--replot", str(tmp_path / "results.json"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "acceptance_histogram.png").exists() and not (tmp_path / "speedup.png").exists()
+
+
+def test_runs_over_slices_merge_into_one_report(assets, tmp_path):
+    whole = run_cli(assets, tmp_path / "whole", "--no-plots")
+    run_cli(assets, tmp_path / "a", "--limit", "3", "--no-plots")
+    run_cli(assets, tmp_path / "b", "--offset", "3", "--no-plots")
+    assert main(["--replot", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+                 "--out", str(tmp_path / "merged"), "--no-plots"]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    check_report(merged, len(QUESTIONS))
+    assert [r["reference"] for r in merged["examples"]] == [r["reference"] for r in whole["examples"]]
+    assert [r["index"] for r in merged["examples"]] == list(range(len(QUESTIONS)))
+    assert merged["runs"]["plain"]["output_tokens"] == whole["runs"]["plain"]["output_tokens"]
 
 
 def test_humaneval_task(assets, tmp_path):

@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--humaneval-timeout", type=float, default=defaults["humaneval_timeout"])
     p.add_argument("--no-plots", dest="plots", action="store_false")
-    p.add_argument("--replot", metavar="RESULTS_JSON", help="only rewrite results.md and the plots of a results.json")
+    p.add_argument("--replot", nargs="+", metavar="RESULTS_JSON",
+                   help="only rewrite results.md and the plots of a results.json (several: merged into --out)")
     return p
 
 
@@ -58,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     from hf_sparsespec.eval.report import write_report
 
     if args.replot:
-        report = json.loads(Path(args.replot).read_text())
-        out_dir = args.out_dir if args.out_dir != parser().get_default("out_dir") else Path(args.replot).parent
+        from hf_sparsespec.eval.report import merge_reports
+
+        reports = [json.loads(Path(path).read_text()) for path in args.replot]
+        report = reports[0] if len(reports) == 1 else merge_reports(reports)
+        out_dir = args.out_dir if args.out_dir != parser().get_default("out_dir") else Path(args.replot[0]).parent
         for path in write_report(report, out_dir, plots=args.plots):
             print(path)
         return 0

@@ -91,6 +91,30 @@ def build_report(config, records: list[dict], times: list[dict], meta: dict) -> 
     return report
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report of several runs of the same configuration over consecutive slices of a dataset
+    (e.g. `--offset 0 --limit 16`, then `--offset 16 --limit 16`, each under a time limit): the
+    examples are concatenated and renumbered, the decoding times added."""
+    from hf_sparsespec.eval.config import EvalConfig
+
+    first = reports[0]
+    options = {**first["config"], "modes": tuple(first["config"]["modes"]), "filters": tuple(first["config"]["filters"])}
+    config = EvalConfig(**options)
+    for report in reports[1:]:
+        if list(report["runs"]) != list(first["runs"]) or report["task"] != first["task"]:
+            raise ValueError(f"expected reports of the same modes and task, got {list(report['runs'])} {report['task']}")
+    records, offset = [], 0
+    for report in reports:
+        records += [{**record, "index": record["index"] + offset} for record in report["examples"]]
+        offset += report["num_examples"]
+    times = [{mode: sum(report["runs"][mode]["time_s"] for report in reports) for mode in config.modes}]
+    meta = {key: first[key] for key in ("task", "num_processes", "device", "dtype")}
+    merged = build_report(config, records, times, meta)
+    merged["versions"] = first["versions"]
+    merged["merged_from"] = [{"offset": r["config"]["offset"], "limit": r["config"]["limit"]} for r in reports]
+    return merged
+
+
 def _percent(value) -> str:
     return "–" if value is None else f"{value:.1%}"
 
