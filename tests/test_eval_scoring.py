@@ -10,6 +10,7 @@ from hf_sparsespec.eval.scoring import (
     answers_match,
     extract_boxed,
     extract_gsm_answer,
+    extract_math_answer,
     gsm_reference,
     humaneval_program,
     math_reference,
@@ -52,6 +53,20 @@ def test_extract_boxed(text, expected):
 )
 def test_answers_match(predicted, reference, same):
     assert answers_match(predicted, reference) is same
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("... so \\boxed{12}. The final answer is 13.", "12"),
+        ("The final answer is 126 inches.\nDone", "126 inches"),
+        ("so the final answer is $45\\pi$.", "45\\pi"),
+        ("The final answer is: 7", "7"),
+        ("I think it is 7", None),
+    ],
+)
+def test_extract_math_answer(text, expected):
+    assert extract_math_answer(text) == expected
 
 
 def test_gsm_and_math_references():

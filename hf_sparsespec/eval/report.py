@@ -12,6 +12,7 @@ import logging
 import platform
 from pathlib import Path
 
+from hf_sparsespec.eval.scoring import gsm_reference, math_reference
 from hf_sparsespec.stats import RequestStats, SparseSpecStats
 
 logger = logging.getLogger(__name__)
@@ -161,13 +162,21 @@ def markdown(report: dict) -> str:
             mark = "" if run["correct"] is None else (" ✓" if run["correct"] else " ✗")
             cells.append(f"{_cell(run['answer'])}{mark} | {run['output_tokens']}")
         speedup = speedups.get(record["index"])
-        lines.append(f"| {record['index']} | {_cell(record['id'])} | {_cell(record['reference'])} | "
+        lines.append(f"| {record['index']} | {_cell(record['id'])} | {_cell(_reference(record, report['task']))} | "
                      + " | ".join(cells) + f" | {'–' if speedup is None else f'{speedup:.2f}x'} |")
     return "\n".join(lines) + "\n"
 
 
+def _reference(record: dict, task: str) -> str | None:
+    """The answer the outputs are scored against (a GSM or MATH reference solution holds more)."""
+    reference = record["reference"]
+    if reference is None or task not in ("math", "gsm"):
+        return reference
+    return gsm_reference(reference) if task == "gsm" else math_reference(reference)
+
+
 def _cell(value, width: int = 40) -> str:
-    text = "–" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
+    text = "–" if value is None else str(value).replace("|", "\\|").replace("\n", " ") or '""'
     return text if len(text) <= width else text[: width - 1] + "…"
 
 

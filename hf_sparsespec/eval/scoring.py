@@ -80,6 +80,16 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     return x is not None and y is not None and abs(x - y) <= Fraction(1, 10**6) * max(1, abs(y))
 
 
+def extract_math_answer(text: str) -> str | None:
+    """The last `\\boxed{}`, else what follows the last "final answer is" (to the end of its line or
+    sentence); None when neither is there."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    matches = re.findall(r"final answer is[:\s]*(.+?)(?:\.\s|\.$|\n|$)", text, flags=re.IGNORECASE)
+    return matches[-1].strip().strip("$") if matches else None
+
+
 def extract_gsm_answer(text: str) -> str | None:
     """Boxed if present, else `#### x`, else `the answer is x`, else the last number."""
     boxed = extract_boxed(text)
@@ -141,7 +151,7 @@ def run_program(program: str, timeout: float) -> bool:
 def score(example: Example, output: str, task: str, timeout: float = 10.0) -> tuple[str | None, bool | None]:
     """(extracted answer, correct); correct is None when the task has no scoring."""
     if task == "math":
-        answer = extract_boxed(output)
+        answer = extract_math_answer(output)
         return answer, answers_match(answer, math_reference(example.reference or ""))
     if task == "gsm":
         answer = extract_gsm_answer(output)
