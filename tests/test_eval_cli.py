@@ -131,7 +131,7 @@ def test_config_is_validated():
     with pytest.raises(ValueError, match="filters"):
         EvalConfig(model="m", dataset="d", filters=("source",))
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        EvalConfig(model="m", dataset="d", num_draft_tokens=0)
+        EvalConfig(model="m", dataset="d", num_draft_tokens=-1)
 
 
 def free_port() -> int:
