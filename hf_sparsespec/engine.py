@@ -166,8 +166,7 @@ class Engine:
             request = row.request
             if request.finished:
                 continue
-            kept, reason = self.stop_checker.commit(request, [token])
-            request.stats.generated_tokens += kept
+            kept, reason = self._commit(request, [token])
             self._emit(request, [token])
             if reason is not None:
                 self._finish(request, reason)
@@ -178,15 +177,22 @@ class Engine:
             block = values[index * width : (index + 1) * width]
             accepted, drafts, next_token = block[0], block[1 : 1 + self.k], block[-1]
             committed = drafts[:accepted] + [next_token]
-            kept, reason = self.stop_checker.commit(request, committed)
-            request.stats.record_cycle(drafted=row.num_tokens - 1, accepted=kept - 1)
-            request.stats.generated_tokens += kept
+            kept, reason = self._commit(request, committed, drafted=row.num_tokens - 1)
             self._emit(request, committed[:kept])
             if reason is not None:
                 self._finish(request, reason)
             elif not self.scheduler.autoregressive:  # autoregressive rows committed when scheduled
                 self.scheduler.commit_verification(request, kept)
                 self.scheduler.start_cycle(request, self.scheduler.iteration)
+
+    def _commit(self, request: Request, tokens: list[int], drafted: int | None = None) -> tuple[int, str | None]:
+        """The stop checker keeps the tokens up to the request's stop and records its statistics. Stopping
+        criteria see the whole batch at once, so they may also stop other requests that ran ahead (their
+        tokens already truncated back); those finish here."""
+        kept, reason = self.stop_checker.commit(request, tokens, drafted)
+        for stopped, why in self.stop_checker.take_stopped():
+            self._finish(stopped, why)
+        return kept, reason
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         if self.on_tokens is not None:

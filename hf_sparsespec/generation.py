@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -96,9 +97,12 @@ def _generate_call_arguments() -> dict:
     return {}
 
 
-def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set[int], list]:
+def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set[int], list, bool]:
+    """(eos ids, the other criteria in their order, whether plain `generate` would pad finished rows:
+    it does iff one of its criteria has an `eos_token_id`)."""
     eos_ids: set[int] = set()
     others = []
+    pads_finished_rows = any(hasattr(criterion, "eos_token_id") for criterion in criteria or [])
     for criterion in criteria or []:
         if isinstance(criterion, EosTokenCriteria):
             eos_ids.update(int(t) for t in criterion.eos_token_id.flatten().tolist())
@@ -108,7 +112,7 @@ def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set
             raise NotImplementedError("generation_strategy='sparsespec' does not support ConfidenceCriteria")
         else:
             others.append(criterion)
-    return eos_ids, others
+    return eos_ids, others, pads_finished_rows
 
 
 def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=None, progress=None) -> None:
@@ -173,15 +177,17 @@ def generate(
         raise ValueError(f"max_length ({generation_config.max_length}) leaves no room after {input_len} input tokens")
     check_model_supported(model, input_len + max_new_tokens)
     requests = _requests_from_batch(input_ids, model_kwargs.get("attention_mask"), max_new_tokens)
-    eos_ids, criteria = _split_stopping_criteria(stopping_criteria)
-    stop_checker = StopChecker(eos_ids, criteria, input_ids.device)
+    eos_ids, criteria, pads_finished_rows = _split_stopping_criteria(stopping_criteria)
+    pad = _pad_token(generation_config, eos_ids)
+    stop_checker = StopChecker(eos_ids, criteria, input_ids.device, requests, pad, pads_finished_rows)
     pipeline = LogitsPipeline(logits_processor if logits_processor is not None else [])
+    start = time.perf_counter()
     try:
         _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker, streamer)
     finally:
         if streamer is not None:
             streamer.end()
-    pad = _pad_token(generation_config, eos_ids)
+    elapsed = time.perf_counter() - start
     width = max(len(r.generated) for r in requests)
     generated = torch.full((batch_size, width), pad, dtype=input_ids.dtype)
     for row, request in enumerate(requests):
@@ -189,7 +195,7 @@ def generate(
     sequences = torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
-    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests])
+    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests], elapsed)
     return SparseSpecGenerateOutput(sequences=sequences, sparsespec_stats=stats)
 
 

@@ -8,20 +8,30 @@ all m drafts were accepted). So every request obeys
     generated_tokens = 1 (sampled at the end of prefill) + accepted_drafts + cycles
 
 where a cycle cut short by a stop (eos, stop criteria) counts only the drafts kept before the stop.
+
+`print(stats)` gives a short human summary, notebooks show an HTML table (`_repr_html_`), `as_dict()`
+is JSON-ready and `plot_histogram()` draws the accepted-drafts histogram with matplotlib.
 """
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(repr=False)
 class RequestStats:
     cycles: int = 0
     drafted_tokens: int = 0
     accepted_drafts: int = 0
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # index a: cycles that accepted a drafts
+    cycle_accepted: list[int] = field(default_factory=list)  # accepted drafts of each cycle, in order (per request)
+
+    def reset(self) -> None:
+        self.cycles = self.drafted_tokens = self.accepted_drafts = self.generated_tokens = 0
+        self.accepted_histogram = []
+        self.cycle_accepted = []
 
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
@@ -30,6 +40,7 @@ class RequestStats:
         if len(self.accepted_histogram) <= accepted:
             self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[accepted] += 1
+        self.cycle_accepted.append(accepted)
 
     @property
     def mean_accepted_per_cycle(self) -> float:
@@ -42,6 +53,7 @@ class RequestStats:
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
 
     def merge(self, other: RequestStats) -> None:
+        """Add `other`'s counts (its cycle order, `cycle_accepted`, is not merged)."""
         self.cycles += other.cycles
         self.drafted_tokens += other.drafted_tokens
         self.accepted_drafts += other.accepted_drafts
@@ -50,6 +62,12 @@ class RequestStats:
             if len(self.accepted_histogram) <= accepted:
                 self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
             self.accepted_histogram[accepted] += count
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestStats({self.generated_tokens} tokens, {self.cycles} cycles, "
+            f"{self.mean_accepted_per_cycle:.2f} accepted drafts/cycle, acceptance {self.acceptance_rate:.1%})"
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -60,33 +78,114 @@ class RequestStats:
             "mean_accepted_per_cycle": self.mean_accepted_per_cycle,
             "acceptance_rate": self.acceptance_rate,
             "accepted_histogram": list(self.accepted_histogram),
+            "cycle_accepted": list(self.cycle_accepted),
         }
 
 
-@dataclass
+@dataclass(repr=False)
 class SparseSpecStats:
-    """Statistics of one `generate`/`generate_batch` call: per request (input order) and in total."""
+    """Statistics of one `generate`/`generate_batch` call: per request (input order) and in total.
+
+    `elapsed_s` is the wall time of the decoding (prefill included), when the caller measured it.
+    """
 
     num_draft_tokens: int
     per_request: list[RequestStats]
     total: RequestStats
+    elapsed_s: float | None = None
 
     @classmethod
-    def from_requests(cls, num_draft_tokens: int, per_request: list[RequestStats]) -> SparseSpecStats:
+    def from_requests(
+        cls, num_draft_tokens: int, per_request: list[RequestStats], elapsed_s: float | None = None
+    ) -> SparseSpecStats:
         total = RequestStats(accepted_histogram=[0] * (num_draft_tokens + 1))
         for stats in per_request:
             total.merge(stats)
         for stats in per_request:
             stats.accepted_histogram.extend([0] * (num_draft_tokens + 1 - len(stats.accepted_histogram)))
-        return cls(num_draft_tokens=num_draft_tokens, per_request=per_request, total=total)
+        return cls(num_draft_tokens=num_draft_tokens, per_request=per_request, total=total, elapsed_s=elapsed_s)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.per_request)
 
     @property
     def mean_accepted_per_cycle(self) -> float:
         return self.total.mean_accepted_per_cycle
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total.acceptance_rate
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Generated tokens over the decoding's wall time (all requests together)."""
+        if not self.elapsed_s:
+            return None
+        return self.total.generated_tokens / self.elapsed_s
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs of the human summary."""
+        total, k = self.total, self.num_draft_tokens
+        rows = [
+            ("requests", f"{self.num_requests}"),
+            ("generated tokens", f"{total.generated_tokens}"),
+            ("cycles", f"{total.cycles} (k = {k} drafts each)"),
+            ("mean accepted drafts per cycle", f"{self.mean_accepted_per_cycle:.2f} of {k}"),
+            ("acceptance rate", f"{self.acceptance_rate:.1%} ({total.accepted_drafts} of {total.drafted_tokens} drafts)"),
+        ]
+        if self.tokens_per_second is not None:
+            rows.append(("throughput", f"{self.tokens_per_second:.1f} tokens/s over {self.elapsed_s:.2f} s"))
+        return rows
+
+    def __str__(self) -> str:
+        width = max(len(label) for label, _ in self.summary_rows())
+        lines = ["SparseSpecStats"] + [f"  {label:<{width}}  {value}" for label, value in self.summary_rows()]
+        lines.append(f"  {'accepted drafts histogram':<{width}}  {_histogram_line(self.total.accepted_histogram)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        speed = "" if self.tokens_per_second is None else f", {self.tokens_per_second:.1f} tokens/s"
+        return (
+            f"SparseSpecStats({self.num_requests} requests, {self.total.generated_tokens} tokens, "
+            f"{self.total.cycles} cycles, k={self.num_draft_tokens}: {self.mean_accepted_per_cycle:.2f} accepted "
+            f"drafts/cycle, acceptance {self.acceptance_rate:.1%}{speed})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(label)}</th><td style='text-align:left'>{html.escape(value)}</td></tr>"
+            for label, value in self.summary_rows()
+        )
+        histogram = self.total.accepted_histogram
+        peak = max(histogram, default=0) or 1
+        bars = "".join(
+            f"<tr><td>{accepted}</td><td><div style='background:#4c72b0;height:0.8em;width:{120 * count / peak:.0f}px'>"
+            f"</div></td><td>{count}</td></tr>"
+            for accepted, count in enumerate(histogram)
+        )
+        return (
+            "<div><b>SparseSpecStats</b><table>" + rows + "</table>"
+            "<table><tr><th>accepted drafts</th><th></th><th>cycles</th></tr>" + bars + "</table></div>"
+        )
+
     def as_dict(self) -> dict:
         return {
             "num_draft_tokens": self.num_draft_tokens,
+            "num_requests": self.num_requests,
+            "elapsed_s": self.elapsed_s,
+            "tokens_per_second": self.tokens_per_second,
             "total": self.total.as_dict(),
             "per_request": [stats.as_dict() for stats in self.per_request],
         }
+
+    def plot_histogram(self, ax=None, label: str | None = None):
+        """Bar chart of cycles per number of accepted drafts (0..k) on a matplotlib Axes; returns it."""
+        from hf_sparsespec.plots import plot_acceptance_histogram
+
+        return plot_acceptance_histogram({label or "SparseSpec": self.total.accepted_histogram}, ax=ax)
+
+
+def _histogram_line(histogram: list[int]) -> str:
+    """`0:12 1:3 ...`: cycles per number of accepted drafts."""
+    return " ".join(f"{accepted}:{count}" for accepted, count in enumerate(histogram))

@@ -33,6 +33,16 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: on a shared 2-core machine, tiny models under lm-eval or the
+    eval CLI ran up to ~30x slower with two OpenMP threads contending."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""Tiny random decoder models of every supported architecture, and the greedy-equality check."""
+"""Tiny random decoder models of every supported architecture, a matching character tokenizer, and the
+greedy-equality check."""
 
 from __future__ import annotations
 
@@ -51,6 +52,21 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     else:
         raise ValueError(arch)
     return model.eval()
+
+
+# one token per character: pad, eos, newline and the printable ASCII characters ' ' .. '|' (VOCAB in all)
+TOKENS = ["<pad>", "</s>", "\n"] + [chr(c) for c in range(32, 125)]
+assert len(TOKENS) == VOCAB
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer over the tiny models' vocabulary (pad 0, eos 1)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(TOKENS)}, merges=[], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", padding_side="left")
 
 
 def ragged_batch(lengths: list[int], seed: int = 0, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
