@@ -1,8 +1,4 @@
-"""Reading an iteration's results on the host, and deciding where a request stops.
-
-`ResultReader` is the engine's one planned synchronisation point: the int64 results of an iteration
-are copied into pinned host memory behind an event, and only read (waited for) when the engine needs
-them.
+"""Deciding where a request stops (the results themselves are read by `runner.PendingResults`).
 
 `StopChecker` owns where every request stops, and its statistics. The invariant: the tokens a request
 keeps, and every call a stopping criterion receives, are exactly those of plain `generate`:
@@ -30,27 +26,6 @@ import torch
 
 from hf_sparsespec.scheduler import Request
 from hf_sparsespec.stats import RequestStats
-
-
-class ResultReader:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def start(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Begin copying `values` to the host without waiting for the device."""
-        if self.device.type != "cuda":
-            return values, None
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    @staticmethod
-    def finish(host: torch.Tensor, event: torch.cuda.Event | None) -> list[int]:
-        if event is not None:
-            event.synchronize()
-        return host.tolist()
 
 
 @dataclass
