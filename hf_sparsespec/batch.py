@@ -12,6 +12,7 @@ order). This module turns them into every index the device step needs, with nump
     drafts   write, prob_index                             [draft rows]
     prefill  write                                         [sampling prefill rows]
     plan     work [num_work x 5], merge [num_merge x 5]    (Triton backend only)
+    shifts   shift_index [rows]; token_row, draft_row, logits_row    (iterations with speculative rows)
 and, after the fields of the shape, the new page-table entries: flat index, then page.
 
 Shapes (`StepShape`): an iteration without prefill rows is padded to a bucket (verify and draft rows
@@ -19,6 +20,12 @@ rounded up) so that a CUDA graph can replay it: padded rows and tokens read slot
 dummy slot of every per-slot buffer), write the KV cache nowhere (`kv_slot = -1`) and sample into
 the dummy slot. Logits rows are laid out `[verify rows x (k + 1)][draft rows][prefill samples]`, so a
 verification's k + 1 target distributions are a fixed-stride block.
+
+Speculative rows (a request's first draft right after its verification, see `scheduler.py`) are
+built as if the verification accepted 0 drafts; `shift_index` points at that verification's
+accepted count in the previous iteration's results, which the device step adds to the row's
+position, context length, input index, KV slot, draft write and logits prefix (through the
+`*_row` maps), and the attention plan gives the row room for the largest shift.
 
 Invariant: a field's content depends only on the rows; its offset only on the shape.
 """
@@ -48,6 +55,7 @@ class StepShape:
     block_m_full: int
     plan: PlanCapacity | None  # None: the backend needs no plan
     padded: bool  # a bucket of a graph-able decode iteration
+    shifted: bool = False  # has speculative rows (the shift fields are present)
 
     @property
     def num_logits(self) -> int:
@@ -68,6 +76,8 @@ class StepShape:
             ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
             ("draft_write", d), ("draft_prob_index", d), ("prefill_write", self.num_prefill_samples),
             ("work", plan.num_work * 5), ("merge", plan.num_merge * 5),
+            ("shift_index", r if self.shifted else 0), ("token_row", t if self.shifted else 0),
+            ("draft_row", d if self.shifted else 0), ("logits_row", n if self.shifted else 0),
         ]  # fmt: skip
 
     @property
@@ -166,16 +176,24 @@ class BatchBuilder:
         n_sel = np.zeros(n_rows, np.int64)
         budget = np.zeros(n_rows, np.int64)
         draft_step = np.zeros(n_rows, np.int64)
+        shift_index = np.full(n_rows, -1, np.int64)
+        max_shift = np.zeros(n_rows, np.int64)
         samples = np.zeros(n_rows, bool)
+        verify_count = 0
         params = np.zeros((n_rows, self.num_params), np.int64)
         for i, row in enumerate(rows):
             request = row.request
             slot[i], kind[i], first[i], n_tok[i] = request.slot, row.kind, row.first_position, row.num_tokens
             offset[i], samples[i] = request.history_offset, row.samples
-            if row.kind is RowKind.DRAFT:
+            if row.speculative:  # drafts from the window and selection of the verification in flight
+                recent[i], n_sel[i], draft_step[i] = request.pending_recent_start, request.pending_budget, 1
+                shift_index[i], max_shift[i] = request.verify_result_index * (k + 2), row.max_shift
+            elif row.kind is RowKind.DRAFT:
                 recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
             elif row.kind is RowKind.VERIFY:
                 budget[i] = row.budget
+                request.verify_result_index = verify_count
+                verify_count += 1
             if self.num_params:
                 params[i] = request.processor_params
             rid = request.request_id
@@ -183,6 +201,7 @@ class BatchBuilder:
         is_prefill, is_verify, is_draft = kind == RowKind.PREFILL, kind == RowKind.VERIFY, kind == RowKind.DRAFT
         n_p, n_v, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_draft.sum())
         context = first + n_tok
+        shifted = bool((shift_index >= 0).any())
         updates = self.page_table.take_updates()
 
         # --- the shape ---
@@ -206,7 +225,7 @@ class BatchBuilder:
         shape = StepShape(
             num_tokens=num_tokens, num_rows=num_rows, num_prefill_rows=n_p, num_verify_rows=v_pad,
             num_draft_rows=d_pad, num_prefill_samples=len(prefill_samples), spec_len=spec,
-            num_params=self.num_params, block_m_full=block_m_full, plan=capacity, padded=padded,
+            num_params=self.num_params, block_m_full=block_m_full, plan=capacity, padded=padded, shifted=shifted,
         )  # fmt: skip
         a: dict[str, np.ndarray] = {}
 
@@ -271,16 +290,21 @@ class BatchBuilder:
         a["draft_prob_index"] = _pad(slot[dr] * k + draft_step[dr] - 1, d_pad - n_d, dummy * k)
         a["prefill_write"] = row_base[prefill_samples] + context[prefill_samples]
 
-        # --- the attention plan (rows [0, n_p + n_v) attend fully) ---
+        # --- the attention plan (rows [0, n_p + n_v) attend fully; speculative rows get room to shift) ---
         if capacity is not None:
             work, merge, _ = plan_work_lists(
-                query_start, context, n_p + n_v, n_sel, recent, group=self.group, block_m_full=block_m_full,
-                items=self.plan_items, capacity=capacity,
+                query_start, context + max_shift, n_p + n_v, n_sel, recent, group=self.group,
+                block_m_full=block_m_full, items=self.plan_items, capacity=capacity,
             )  # fmt: skip
             a["work"], a["merge"] = work.reshape(-1), merge.reshape(-1)
         else:
             a["work"] = a["merge"] = np.zeros(0, np.int64)
 
+        if shifted:  # maps to rows; padding entries map to row `num_rows`, which never shifts
+            a["shift_index"] = _pad(shift_index, pad_rows, -1)
+            a["token_row"] = _pad(token_row, pad_tokens, num_rows)
+            a["draft_row"] = _pad(dr, d_pad - n_d, num_rows)
+            a["logits_row"] = np.where(real, logits_row, num_rows)
         host_rows = {
             "slot": slot[logits_row[real]],
             "prefix_len": a["logits_prefix_len"][real],

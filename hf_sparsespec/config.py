@@ -46,8 +46,11 @@ class SparseSpecConfig:
             computed), `"streaming"` (first `num_sink_tokens` keys plus the most recent ones), or
             `"dense"` (draft with full attention; accepts everything under greedy, a sanity check).
         num_sink_tokens: sink tokens of the streaming selection.
-        delayed_verification: let a verifying request sit out the next iteration while the host
-            reads its result, so the host never waits on the device while work is queued.
+        delayed_verification: the host reads an iteration's results only after launching the next
+            one, so it never waits on the device while work is queued. A request that just verified
+            drafts its next cycle's first token meanwhile, speculatively: its position depends on
+            the accepted count, which the device adds itself (no stall iteration). False: the host
+            reads every result at once (the ablation).
         page_size: tokens per KV page.
         max_num_requests: the most requests decoding at once (device slots).
         num_pages: KV pages per layer; None sizes the pool from the requests (CPU) or from free

@@ -243,14 +243,30 @@ class ModelRunner:
         flat_tokens = self.token_buffer.view(-1)
         if self.selection == "streaming" and shape.num_verify_rows:
             self._write_streaming_selection(f)
+        position, input_index, kv_slot = f["position"].long(), f["input_index"].long(), f["kv_slot"].long()
+        context_lens, draft_write, prefix_len = f["context_len"], f["draft_write"].long(), f["logits_prefix_len"].long()
+        if shape.shifted:  # speculative rows: add the accepted counts of the previous iteration's verifications
+            index = f["shift_index"].long()
+            shift = torch.where(index >= 0, self.results[index.clamp(min=0)], 0)
+            shift = torch.cat([shift, shift.new_zeros(1)])  # row `num_rows`: padding, never shifted
+            token_row = f["token_row"].long()
+            token_shift = shift[token_row]
+            position, input_index = position + token_shift, input_index + token_shift
+            slots = torch.cat([f["row_slot"], f["row_slot"].new_full((1,), self.num_slots)]).long()[token_row]
+            page = self.page_table[slots, position // self.cache.page_size].long()
+            moved = page * self.cache.page_size + position % self.cache.page_size
+            kv_slot = torch.where(token_shift != 0, moved, kv_slot)
+            context_lens = (context_lens + shift[: shape.num_rows]).to(torch.int32)
+            draft_write = draft_write + shift[f["draft_row"].long()]
+            prefix_len = prefix_len + shift[f["logits_row"].long()]
         step = StepBatch(
             backend=self.backend,
             cache=self.cache,
             num_full_rows=shape.num_prefill_rows + (len(batch.verify_rows) if batch is not None else 0),
-            slot_mapping=f["kv_slot"].long(),
+            slot_mapping=kv_slot,
             page_table=self.page_table.index_select(0, f["row_slot"]),
             query_start=f["query_start"],
-            context_lens=f["context_len"],
+            context_lens=context_lens,
             recent_start=f["recent_start"],
             selection_slot=f["selection_slot"],
             num_selected=f["num_selected"],
@@ -267,11 +283,10 @@ class ModelRunner:
         )
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
-        logits = self._forward(flat_tokens[f["input_index"].long()][None], f["position"].long()[None],
-                               f["logits_token"].long(), step)  # fmt: skip
+        logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
         rows = LogitsRows(
             slot=f["logits_slot"].long(),
-            prefix_len=f["logits_prefix_len"].long(),
+            prefix_len=prefix_len,
             params=f["logits_params"].long(),
             host=batch.host_rows if batch is not None else None,
         )
@@ -296,7 +311,7 @@ class ModelRunner:
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
         if d:
             draft_probs = probs[v * spec : v * spec + d] if probs is not None else None
-            self._store_drafts(f, tokens[:d], draft_probs)
+            self._store_drafts(draft_write, f["draft_prob_index"].long(), tokens[:d], draft_probs)
         if shape.num_prefill_samples:
             first = tokens[d:]
             flat_tokens[f["prefill_write"].long()] = first
@@ -305,11 +320,11 @@ class ModelRunner:
             values = torch.cat(results)
             self.results[: values.shape[0]].copy_(values)
 
-    def _store_drafts(self, f: dict, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+    def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None):
         """Keep this iteration's drafts (and their processed probabilities) for the verification."""
-        self.token_buffer.view(-1)[f["draft_write"].long()] = draft_tokens
+        self.token_buffer.view(-1)[write_index] = draft_tokens
         if draft_probs is not None and self.draft_probs is not None:
-            self.draft_probs[f["draft_prob_index"].long()] = draft_probs
+            self.draft_probs[prob_index] = draft_probs
 
     def _draft_probs(self, rows: torch.Tensor, num_verify: int, probs: torch.Tensor) -> torch.Tensor:
         if self.draft_probs is None:  # k = 0: nothing was drafted

@@ -5,8 +5,12 @@ A request's life: WAITING -> PREFILL (one or more chunks) -> a cycle repeated un
     DRAFT x m  (one token per iteration, sparse attention; m = k, or fewer in the first cycle and
                 near the length limit)
     VERIFY     (the last committed token + the m drafts, full attention; PillarAttn selects keys)
-    AWAIT      (the host has not read the verification yet: with delayed verification the request
-                sits the next iteration out; otherwise the result is read at once)
+    VERIFYING  (the host has not read the verification yet. With delayed verification the request
+                drafts the next cycle's first token in the next iteration anyway, *speculatively*:
+                its position depends on how many drafts were accepted, which only the device knows,
+                so the row is built for 0 accepted and carries the index of the verification's
+                result, which the device step adds to its position; then it AWAITs the read. Without
+                delayed verification the result is read at once.)
 
 Host-side truth (the invariant this module owns): `num_committed` is the number of committed tokens
 (prompt + generated, the token sampled at the end of prefill included) as the host will know them
@@ -40,7 +44,8 @@ class Phase(enum.Enum):
     PREFILL = "prefill"
     DRAFT = "draft"
     VERIFY = "verify"
-    AWAIT = "await"
+    VERIFYING = "verifying"  # verification launched, result unread, the speculative first draft not yet run
+    AWAIT = "await"  # nothing to run until the host reads a result
     FINISHED = "finished"
 
 
@@ -75,6 +80,10 @@ class Request:
     recent_start: int = 0  # first position of the recent window (0 before the first verification)
     num_selected: int = 0  # selected keys per (layer, KV head) for the current cycle's drafts
     pending_budget: int = 0  # selection size the in-flight verification produces
+    pending_recent_start: int = 0  # the recent window's start for the cycle after that verification
+    pending_drafts: int = 0  # drafts of the in-flight verification (the most it can accept)
+    speculated_iteration: int = -1  # iteration of the speculative first draft, -1: none in flight
+    verify_result_index: int = -1  # the in-flight verification's row among its iteration's verify rows
     verify_iteration: int = -1  # iteration of the next (or last) verification, for bucket accounting
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -108,6 +117,8 @@ class ScheduledRow:
     samples: bool  # whether the row's logits are sampled (not for non-final prefill chunks)
     draft_index: int = 0  # 1-based draft step of a DRAFT row
     budget: int = 0  # VERIFY: keys the selection keeps for the next cycle
+    speculative: bool = False  # DRAFT right after a verification with an unread result
+    max_shift: int = 0  # speculative DRAFT: the most positions the device may shift it by (drafts verified)
 
     @property
     def context_len(self) -> int:
@@ -122,8 +133,9 @@ class Scheduler:
         self.allocator = allocator
         self.k = config.num_draft_tokens
         self.autoregressive = self.k == 0
-        # iterations per cycle in steady state: k drafts, one verification, one await when delayed
-        self.cycle_length = self.k + 1 + (1 if config.delayed_verification else 0)
+        # iterations per cycle in steady state: k drafts (the first one speculative when delayed), one verification
+        self.cycle_length = self.k + 1
+        self.speculate = config.delayed_verification and not self.autoregressive
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
@@ -167,6 +179,8 @@ class Scheduler:
                 draft_rows.append(self._draft_row(request))
             elif request.phase is Phase.VERIFY:
                 verify_rows.append(self._verify_row(request))
+            elif request.phase is Phase.VERIFYING:
+                draft_rows.append(self._speculative_draft_row(request))
             elif request.phase is Phase.PREFILL and prefill_budget > 0:
                 row = self._prefill_row(request, prefill_budget)
                 prefill_budget -= row.num_tokens
@@ -225,20 +239,39 @@ class Scheduler:
             return row
         row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
         request.pending_budget = row.budget
+        request.pending_recent_start = 0 if self.config.selection == "dense" else first
+        request.pending_drafts = request.cycle_drafts
         self._set_verify_iteration(request, self.iteration)
-        request.phase = Phase.AWAIT
+        request.phase = Phase.VERIFYING if self.speculate else Phase.AWAIT
         return row
+
+    def _speculative_draft_row(self, request: Request) -> ScheduledRow:
+        """The next cycle's first draft, the iteration after a verification whose result is unread:
+        built as if 0 drafts were accepted (position `num_committed`, the recovered token's); the
+        device shifts it by the accepted count, so pages are ensured for the largest shift."""
+        position = request.num_committed
+        self.allocator.ensure(request.request_id, position + request.pending_drafts + 1)
+        request.speculated_iteration = self.iteration
+        request.phase = Phase.AWAIT
+        return ScheduledRow(request, RowKind.DRAFT, position, 1, samples=True, draft_index=1, speculative=True,
+                            max_shift=request.pending_drafts)
 
     # --- cycles and buckets --------------------------------------------------------------------
     def start_cycle(self, request: Request, first_draft_iteration: int, first: bool = False) -> None:
         """Begin drafting at `first_draft_iteration`. A cycle commits at most m + 1 tokens, so m stays
-        below what the request may still commit; the first cycle's m also picks the phase bucket."""
+        below what the request may still commit; the first cycle's m also picks the phase bucket. A
+        cycle whose first draft already ran speculatively counts it; with no room left for a draft
+        (one token to go) the speculative draft is dropped and the cycle verifies at once."""
         remaining = request.max_total_len - request.num_committed
         limit = max(min(self.k, remaining - 1), 0)
+        drafts_done = 0
+        if request.speculated_iteration >= 0 and limit > 0:
+            first_draft_iteration, drafts_done = request.speculated_iteration, 1
+        request.speculated_iteration = -1
         drafts = self._first_cycle_drafts(limit, first_draft_iteration) if first else limit
         request.cycle_drafts = drafts
-        request.drafts_done = 0
-        request.phase = Phase.DRAFT if drafts > 0 else Phase.VERIFY
+        request.drafts_done = drafts_done
+        request.phase = Phase.DRAFT if drafts > drafts_done else Phase.VERIFY
         self._set_verify_iteration(request, first_draft_iteration + drafts)
 
     def _first_cycle_drafts(self, limit: int, first_draft_iteration: int) -> int:
@@ -256,11 +289,13 @@ class Scheduler:
     def commit_verification(self, request: Request, kept: int) -> None:
         """The host read a verification: `kept` tokens (accepted drafts + one) were committed. The
         next cycle drafts from the selection the verification made, over the window it opened."""
-        first = request.num_committed - 1
         request.num_committed += kept
-        request.recent_start = 0 if self.config.selection == "dense" else first
+        request.recent_start = request.pending_recent_start
         request.num_selected = request.pending_budget
-        self.allocator.truncate(request.request_id, request.num_committed - 1)
+        # the KV of positions < num_committed - 1 is exact; a speculative first draft also wrote the
+        # next position's, which its cycle attends to (the next verification rewrites it)
+        speculated = 1 if request.speculated_iteration >= 0 else 0
+        self.allocator.truncate(request.request_id, request.num_committed - 1 + speculated)
 
     def finish(self, request: Request, reason: str) -> None:
         self._set_verify_iteration(request, -1)

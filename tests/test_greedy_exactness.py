@@ -63,8 +63,8 @@ def test_rejecting_every_draft_rolls_back_exactly(monkeypatch):
     vocab = 96
     original = ModelRunner._store_drafts
 
-    def wrong_drafts(self, fields, tokens, probs):
-        original(self, fields, (tokens + 1) % vocab, probs)
+    def wrong_drafts(self, write_index, prob_index, tokens, probs):
+        original(self, write_index, prob_index, (tokens + 1) % vocab, probs)
 
     monkeypatch.setattr(ModelRunner, "_store_drafts", wrong_drafts)
     model = tiny_model("qwen2")

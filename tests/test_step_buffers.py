@@ -29,7 +29,7 @@ def _reference_fields(rows, allocator, width, k):
     f = {name: [] for name in ("input_index", "position", "kv_slot", "query_start", "context_len", "recent_start",
                                "num_selected", "selection_slot", "logits_token", "logits_prefix_len",
                                "logits_slot", "draft_write", "draft_prob_index", "prefill_write",
-                               "verify_base", "num_drafts", "num_old_keys", "budget")}  # fmt: skip
+                               "verify_base", "num_drafts", "num_old_keys", "budget", "shift_index")}  # fmt: skip
     f["query_start"].append(0)
     for row in rows:
         request = row.request
@@ -42,9 +42,12 @@ def _reference_fields(rows, allocator, width, k):
         f["query_start"].append(start + row.num_tokens)
         f["context_len"].append(row.context_len)
         is_draft = row.kind is RowKind.DRAFT
-        f["recent_start"].append(request.recent_start if is_draft else 0)
-        f["num_selected"].append(request.num_selected if is_draft else 0)
+        recent, selected = (request.pending_recent_start, request.pending_budget) if row.speculative else (
+            request.recent_start, request.num_selected)
+        f["recent_start"].append(recent if is_draft else 0)
+        f["num_selected"].append(selected if is_draft else 0)
         f["selection_slot"].append(request.slot if is_draft else 0)
+        f["shift_index"].append(request.verify_result_index * (k + 2) if row.speculative else -1)
     logits = {RowKind.VERIFY: [], RowKind.DRAFT: [], RowKind.PREFILL: []}
     for index, row in enumerate(rows):
         request, start = row.request, f["query_start"][index]
@@ -92,8 +95,11 @@ def schedules(draw):
         else:
             position = draw(st.integers(1, 60))
             recent = draw(st.integers(0, position))
+            # speculative: (verification row index in the previous iteration, drafts it verified)
+            speculative = draw(st.one_of(st.none(), st.tuples(st.integers(0, 7), st.integers(0, k))))
             specs.append((kind, slot, offset, position, 1, True, draw(st.integers(1, k)), 0, recent,
-                          draw(st.integers(0, recent))))  # fmt: skip
+                          draw(st.integers(0, recent)), speculative))  # fmt: skip
+    specs = [spec + (None,) * (11 - len(spec)) for spec in specs]
     return k, page_size, specs, draw(st.booleans())
 
 
@@ -104,12 +110,17 @@ def test_builder_equals_the_per_row_construction(schedule):
     num_slots, width = 16, 128
     allocator = PageAllocator(4096, page_size)
     rows = []
-    for index, (kind, slot, offset, first, n, samples, draft_index, budget, recent, n_sel) in enumerate(specs):
+    for index, (kind, slot, offset, first, n, samples, draft_index, budget, recent, n_sel, spec) in enumerate(specs):
         request = Request(index, list(range(1, 50)), 60, padding=[0] * offset, slot=slot)
         request.recent_start, request.num_selected = recent, n_sel
         allocator.reserve(index, 200)
-        allocator.ensure(index, first + n)
-        rows.append(ScheduledRow(request, kind, first, n, samples, draft_index=draft_index, budget=budget))
+        row = ScheduledRow(request, kind, first, n, samples, draft_index=draft_index, budget=budget)
+        if spec is not None:  # the first draft after an unread verification of `spec[1]` drafts
+            request.num_committed, request.verify_result_index = first, spec[0]
+            request.pending_recent_start, request.pending_budget = max(first - 1, 0), n_sel
+            row.draft_index, row.speculative, row.max_shift = 1, True, spec[1]
+        allocator.ensure(index, first + n + row.max_shift)
+        rows.append(row)
     builder = BatchBuilder(k, num_slots, width, page_size, DevicePageTable(num_slots, width // page_size + 2),
                            group=2, num_kv_heads=2, plan_items=4, num_params=0, pad=pad)  # fmt: skip
     batch = builder.build(rows, allocator)
@@ -138,6 +149,18 @@ def test_builder_equals_the_per_row_construction(schedule):
     assert (a["draft_write"][n_draft:] == dummy).all()
     assert a["draft_prob_index"][:n_draft].tolist() == ref["draft_prob_index"]
     assert a["prefill_write"].tolist() == ref["prefill_write"]
+    if shape.shifted:  # speculative rows point at their verification's accepted count; maps cover rows
+        assert a["shift_index"][:n_rows].tolist() == ref["shift_index"]
+        assert a["token_row"][:n_tokens].tolist() == [i for i, r in enumerate(rows) for _ in range(r.num_tokens)]
+        assert (a["token_row"][n_tokens:] == shape.num_rows).all()  # padding: the row that never shifts
+        draft_rows = [i for i, r in enumerate(rows) if r.kind is RowKind.DRAFT]
+        assert a["draft_row"].tolist() == draft_rows + [shape.num_rows] * (shape.num_draft_rows - len(draft_rows))
+        assert a["logits_row"][real].tolist() == [
+            i for i, r in enumerate(rows) if r.kind is RowKind.VERIFY for _ in range(spec)
+        ] + [i for i, r in enumerate(rows) if r.kind is RowKind.DRAFT] + [
+            i for i, r in enumerate(rows) if r.kind is RowKind.PREFILL and r.samples]
+    else:
+        assert all(index == -1 for index in ref["shift_index"])
     if pad and not any(r.kind is RowKind.PREFILL for r in rows):
         assert shape.padded and shape.num_tokens == shape.num_verify_rows * spec + shape.num_draft_rows
     assert shape.num_rows >= n_rows and shape.size == sum(n for _, n in shape.fields())
@@ -147,9 +170,13 @@ def test_builder_equals_the_per_row_construction(schedule):
     covered = {}
     for row, q_begin, key_begin, key_end, _ in work[work[:, 0] >= 0].tolist():
         covered.setdefault((row, q_begin), []).append((key_begin, key_end))
-    for ranges in covered.values():
+    for (row_index, q_begin), ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0 and all(a1 == b0 for (_, a1), (b0, _) in zip(ranges, ranges[1:]))
+        row = rows[row_index]
+        if q_begin < 0:  # a draft row: all its keys, and room for the largest shift of a speculative row
+            keys = ref["num_selected"][row_index] + row.context_len - ref["recent_start"][row_index]
+            assert ranges[-1][1] == keys + row.max_shift
     assert {row for row, _ in covered} == set(range(n_rows))
 
 

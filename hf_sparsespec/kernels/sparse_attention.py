@@ -112,6 +112,8 @@ def _draft_item(
     recent_start = tl.load(recent_start_ptr + row)
     slot = tl.load(selection_slot_ptr + row).to(tl.int64)
     num_sel = tl.load(num_selected_ptr + row)
+    # a plan may give a row more keys than it has (room for a speculative row's shift): clamp
+    key_end = tl.minimum(key_end, num_sel + context_len - recent_start)
     sel_row_ptr = selected_ptr + slot * stride_sel_slot + kv_head * stride_sel_head
     out, lse = _attend_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr + row.to(tl.int64) * stride_pt_row, sel_row_ptr,

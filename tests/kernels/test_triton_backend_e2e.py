@@ -5,6 +5,7 @@ drafts and verifications, PillarAttn selection)."""
 from __future__ import annotations
 
 import kernel_cases  # noqa: F401  (the Triton 3.6 interpreter fix)
+import pytest
 import torch
 from models import assert_greedy_equal, ragged_batch, tiny_model  # tests/models.py
 
@@ -12,15 +13,22 @@ import hf_sparsespec  # noqa: F401  (registers the strategy)
 from hf_sparsespec import SparseSpecConfig
 
 
-def test_greedy_sparsespec_on_triton_backend_matches_generate(device):
+@pytest.mark.parametrize("selection", ["pillar", "dense"])
+def test_greedy_sparsespec_on_triton_backend_matches_generate(device, selection):
+    """Dense drafts are the target's own tokens: every draft is accepted, also the speculative first
+    draft of each cycle, whose position the device shifts by the accepted count (plan room, clamp)."""
     model = tiny_model("qwen2").float().to(device)
     ids, mask = (x.to(device) for x in ragged_batch([9, 14]))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
-    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4, backend="triton")
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4, backend="triton",
+                              selection=selection)  # fmt: skip
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
             generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True,
         )  # fmt: skip
     assert_greedy_equal(model, expected, out.sequences, mask)
-    assert out.sparsespec_stats.total.cycles > 0
+    total = out.sparsespec_stats.total
+    assert total.cycles > 0
+    if selection == "dense":
+        assert total.accepted_drafts == total.drafted_tokens > 0
