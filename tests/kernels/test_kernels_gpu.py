@@ -141,3 +141,29 @@ def test_store_kv_bf16(page_size, kvh, head_dim):
     store_kv_ref(key, value, k_ref, v_ref, slots)
     store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("head_dim, group, kvh", [(128, 6, 2), (64, 3, 3)])
+def test_mixed_attention_fp32_realistic_heads(head_dim, group, kvh):
+    """float32 at the real models' head sizes, padded like a graph bucket: the tile configs of the
+    fp32 ("ieee") path at head_dim 128 run only here (the interpreter tests use head_dim <= 64)."""
+    full = [(2048, 9), (300, 9), (150, 150)]
+    drafts = [2100, 700, 97, 15]
+    recent, num_selected = _draft_rows(drafts)
+    context_lens = [c for c, _ in full] + drafts
+    q_lens = [q for _, q in full] + [1] * len(drafts)
+    recent_start = [0] * len(full) + recent
+    num_sel = [0] * len(full) + num_selected
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, 16, kvh, head_dim, torch.float32, "cuda")
+    selected, slots = random_selection(context_lens, [max(r, 1) for r in recent_start], num_sel, kvh, 256, "cuda")
+    starts = query_offsets(q_lens)
+    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda")
+    args = (
+        query, k_cache, v_cache, page_table, i32(starts, "cuda"), i32(context_lens, "cuda"), len(full),
+        i32(recent_start, "cuda"), selected, slots, i32(num_sel, "cuda"), head_dim**-0.5,
+    )  # fmt: skip
+    ref_out, ref_lse = mixed_attention_ref(*args)
+    out, lse = mixed_attention(*args)
+    assert_close_to_reference(out, ref_out, torch.float32)
+    finite = ref_lse.isfinite()
+    assert_close_to_reference(lse[finite], ref_lse[finite], torch.float32)
