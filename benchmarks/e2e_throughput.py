@@ -8,7 +8,8 @@ transformers `generate` with the static cache, our autoregressive mode, our Spar
 Every run decodes the same prompts (mmath AIME/MATH, chat template; random ids with `--random`),
 bf16, sampling T=0.65 (top-k and top-p off), a forced length (min_new_tokens = max_new_tokens).
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
-(`num_draft_tokens=0`), `pillar`, `streaming`, `dense`, and the ablation ladder of the paper:
+(`num_draft_tokens=0`), `pillar`, `streaming`, `dense`, `ar_compiled` / `pillar_compiled`
+(`compile_forward=True`, warmed first), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
@@ -44,6 +45,8 @@ HBM_BYTES_PER_S = 4.26e12
 BF16_FLOPS_PER_S = 790e12
 SELECTIONS = {  # run name -> SparseSpecConfig fields
     "ar": dict(num_draft_tokens=0),
+    "ar_compiled": dict(num_draft_tokens=0, compile_forward=True),
+    "pillar_compiled": dict(compile_forward=True),
     "pillar": dict(),
     "streaming": dict(selection="streaming"),
     "dense": dict(selection="dense"),
@@ -208,6 +211,11 @@ def main() -> None:
             result = run_hf_static(model, ids, mask, settings, n)
         else:
             config = SparseSpecConfig(min_budget=args.min_budget, **SELECTIONS[run])
+            if config.compile_forward:  # compile outside the timing (dynamo reuses it for the same model)
+                started = time.perf_counter()
+                short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
+                hf_sparsespec.generate_batch(model, prompts, short, config)
+                print(f"{run}: warm-up with compilation {time.perf_counter() - started:.0f} s", flush=True)
             result = run_ours(model, prompts, gen_config, config, pillar=config.selection == "pillar")
         report["runs"][run] = result
         print(f"{run}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)

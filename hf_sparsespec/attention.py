@@ -16,6 +16,8 @@ import contextlib
 
 import torch
 
+from hf_sparsespec import ops
+
 ATTENTION_NAME = "sparsespec"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
@@ -51,35 +53,28 @@ def sparsespec_attention(
     selected = step.cache.selected[layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [num_tokens, num_q_heads, head_dim]
-    out, lse = step.backend.mixed_attention(
-        q,
-        layer.keys,
-        layer.values,
-        step.page_table,
-        step.query_start,
-        step.context_lens,
-        step.num_full_rows,
-        step.recent_start,
-        selected,
-        step.selection_slot,
-        step.num_selected,
-        scale,
-        plan=step.plan,
-    )
-    if step.score_verify_rows and step.num_verify_rows > 0:
-        step.backend.update_selection(
-            q,
-            layer.keys,
-            step.verify_page_table,
-            step.verify_query_start,
-            lse,
-            step.num_old_keys,
-            step.budgets,
-            selected,
-            step.verify_slots,
-            step.scores,
-            scale,
-        )
+    rows = (step.page_table, step.query_start, step.context_lens)
+    draft = (step.recent_start, selected, step.selection_slot, step.num_selected)
+    score = step.score_verify_rows and step.num_verify_rows > 0
+    verify = (step.verify_page_table, step.verify_query_start)
+    if step.compiled:  # opaque custom ops in the compiled graph (the whole selected store: see ops.py)
+        plan, store = step.plan, step.cache.selected
+        out, lse = ops.mixed_attention(
+            q, layer.keys, layer.values, *rows, step.num_full_rows_tensor, step.recent_start, store, layer_idx,
+            step.selection_slot, step.num_selected, scale,
+            plan.work if plan else None, plan.merge if plan else None, plan.part_out if plan else None,
+            plan.part_lse if plan else None, plan.block_m_full if plan else 0, plan.block_m_draft if plan else 0,
+            step.backend.name,
+        )  # fmt: skip
+        if score:
+            ops.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, store, layer_idx,
+                                 step.verify_slots, step.scores, scale, step.backend.name)  # fmt: skip
+        return out[None], None
+    out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
+                                            plan=step.plan)  # fmt: skip
+    if score:
+        step.backend.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, selected,
+                                      step.verify_slots, step.scores, scale)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

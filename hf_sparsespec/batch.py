@@ -67,7 +67,7 @@ class StepShape:
         k, n = self.spec_len - 1, self.num_logits
         plan = self.plan or PlanCapacity(0, 0, 0)
         return [
-            ("input_index", t), ("position", t), ("kv_slot", t),
+            ("num_full_rows", 1), ("input_index", t), ("position", t), ("kv_slot", t),
             ("row_slot", r), ("query_start", r + 1), ("context_len", r), ("recent_start", r),
             ("selection_slot", r), ("num_selected", r),
             ("verify_query_start", v + 1), ("num_old_keys", v), ("budget", v), ("verify_slot", v),
@@ -227,7 +227,7 @@ class BatchBuilder:
             num_draft_rows=d_pad, num_prefill_samples=len(prefill_samples), spec_len=spec,
             num_params=self.num_params, block_m_full=block_m_full, plan=capacity, padded=padded, shifted=shifted,
         )  # fmt: skip
-        a: dict[str, np.ndarray] = {}
+        a: dict[str, np.ndarray] = {"num_full_rows": np.array([n_p + n_v])}
 
         # --- tokens: row i's positions first[i] .. context[i] - 1 ---
         token_row = np.repeat(np.arange(n_rows), n_tok)

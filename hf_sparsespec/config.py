@@ -64,6 +64,10 @@ class SparseSpecConfig:
             shape, and replay them. Needs CUDA, the Triton backend and logits processors free of host
             syncs (temperature, top-k, top-p, min-p, typical, epsilon, min length, repetition
             penalty); otherwise iterations run eagerly.
+        compile_forward: run the model's forward of padded decode iterations through
+            `torch.compile(dynamic=True)` (the attention ops as opaque custom ops, `hf_sparsespec.ops`),
+            fusing the modeling code's elementwise kernels; compiles once per process and model
+            (minutes for a large model). Experimental: off until measured on a GPU.
     """
 
     num_draft_tokens: int = 8
@@ -80,6 +84,7 @@ class SparseSpecConfig:
     prefill_chunk_size: int = 4096
     backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
+    compile_forward: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -110,8 +115,9 @@ class SparseSpecConfig:
             )
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
         _check_choice("backend", self.backend, BACKENDS)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"SparseSpecConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "compile_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def budget(self, kv_len: int) -> int:
         """Selected keys per (layer, KV head) for a context of `kv_len` keys (before clamping to the

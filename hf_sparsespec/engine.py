@@ -97,6 +97,7 @@ class Engine:
             vocab_size=geometry.vocab_size, group=group, selection=config.selection,
             num_sink_tokens=config.num_sink_tokens, use_graphs=use_graphs, cache_kwarg=cache_kwarg_name(model),
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
+            compile_forward=config.compile_forward,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 

@@ -86,7 +86,7 @@ class ModelRunner:
     def __init__(self, model, cache, backend, pipeline: LogitsPipeline, do_sample: bool, *, k: int,
                  num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
-                 logits_to_keep: bool, max_context: int) -> None:  # fmt: skip
+                 logits_to_keep: bool, max_context: int, compile_forward: bool = False) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
@@ -125,6 +125,14 @@ class ModelRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.checked_attention = False
+        # padded decode iterations may run the forward compiled (the attention ops as custom ops); the
+        # iterations' sizes vary independently, so equal sizes must not share a symbol (duck shaping)
+        self.compiled_forward = None
+        if compile_forward:
+            import torch.fx.experimental._config as fx_config
+
+            fx_config.use_duck_shape = False
+            self.compiled_forward = torch.compile(self._model_logits, dynamic=True)
         self.counters = RunnerCounters()
         self.time_iterations = False
 
@@ -280,6 +288,8 @@ class ModelRunner:
             scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
             score_verify_rows=self.selection == "pillar" and self.k > 0,
             max_context=self.max_context,
+            compiled=self._compiles(shape),
+            num_full_rows_tensor=f["num_full_rows"],
         )
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
@@ -352,14 +362,28 @@ class ModelRunner:
         expanded = positions[None, :, None, :].expand(selected.shape[0], -1, selected.shape[2], -1)
         selected.index_copy_(1, f["verify_slot"].long(), expanded)
 
-    def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
+    def _compiles(self, shape: StepShape) -> bool:
+        """Whether the forward of `shape` runs compiled: padded decode shapes whose row counts are 0
+        or >= 2 (dynamo specialises sizes 0 and 1, so each such size would compile anew; these
+        few shapes run eagerly), after the first eager forward checked the attention."""
+        if self.compiled_forward is None or not shape.padded or not self.checked_attention:
+            return False
+        return all(n == 0 or n >= 2 for n in (shape.num_verify_rows, shape.num_draft_rows)) and shape.num_tokens >= 2
+
+    def _model_logits(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
+        """The model's forward: logits of the rows `logits_index` (`[1, num_logits, vocab]` or all rows
+        when the model takes no `logits_to_keep`)."""
         kwargs = {self.cache_kwarg: self.cache}
         if self.logits_to_keep:
             kwargs["logits_to_keep"] = logits_index
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, sparsespec_step=step,
+                          **kwargs).logits  # fmt: skip
+
+    def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
+        forward = self.compiled_forward if step.compiled else self._model_logits
         self.cache.active_step = step
         try:
-            outputs = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                                 sparsespec_step=step, **kwargs)  # fmt: skip
+            logits = forward(input_ids, position_ids, logits_index, step)
         finally:
             self.cache.active_step = None
         if not self.checked_attention:
@@ -370,7 +394,7 @@ class ModelRunner:
                     f"{type(self.model).__name__} ran {step.attention_calls} of its {num_layers} attention layers "
                     "through transformers' AttentionInterface; hf_sparsespec needs all of them"
                 )
-        logits = outputs.logits[0]
+        logits = logits[0]
         if not self.logits_to_keep:
             logits = logits[logits_index]
         return logits.float()  # [num_logits, vocab]

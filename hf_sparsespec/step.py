@@ -45,3 +45,5 @@ class StepBatch:
     score_verify_rows: bool  # PillarAttn selects inside the verification attention
     max_context: int  # the longest context any request of the engine reaches (sliding-window guard)
     attention_calls: int = field(default=0)
+    compiled: bool = False  # inside a torch.compile'd forward: call the ops through `hf_sparsespec.ops`
+    num_full_rows_tensor: torch.Tensor | None = None  # [1] int32, `num_full_rows` for the custom op

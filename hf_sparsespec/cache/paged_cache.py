@@ -126,9 +126,13 @@ class SparseSpecCache(Cache):
                 "use model.generate(..., generation_strategy='sparsespec')"
             )
         layer = self.layers[layer_idx]
-        step.backend.store_kv(
-            key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer.keys, layer.values, step.slot_mapping
-        )
+        key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        if step.compiled:
+            from hf_sparsespec import ops
+
+            ops.store_kv(key, value, layer.keys, layer.values, step.slot_mapping, step.backend.name)
+        else:
+            step.backend.store_kv(key, value, layer.keys, layer.values, step.slot_mapping)
         return key_states, value_states
 
     # --- host tier: whole requests out and back --------------------------------------------------
