@@ -40,7 +40,7 @@ MAX_GRAPHS = 64  # captured shapes kept; later shapes run eagerly
 
 @dataclass
 class StepViews:
-    """Device views of one shape's fields in the metadata buffer (and the shape's step object)."""
+    """Device views of one shape's fields in the metadata buffer, and their offsets in the staging buffers."""
 
     shape: StepShape
     fields: dict[str, torch.Tensor]

@@ -19,9 +19,10 @@ from triton.compiler import ASTSource
 from hf_sparsespec.kernels._attention_tile import _merge_splits_kernel
 from hf_sparsespec.kernels.mixed_attention import _mixed_attention_kernel
 from hf_sparsespec.kernels.paged_attention import _paged_attention_kernel
-from hf_sparsespec.kernels.pillar_select import _pillar_scores_kernel, _select_top_keys_kernel
+from hf_sparsespec.kernels.pillar_select import _pillar_scores_kernel
 from hf_sparsespec.kernels.sparse_attention import _sparse_draft_attention_kernel
 from hf_sparsespec.kernels.store_kv import _store_kv_kernel
+from hf_sparsespec.kernels.top_keys import _select_top_keys_kernel
 
 DATA = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")
 FLOAT = ("lse_ptr", "part_out_ptr", "part_lse_ptr", "scores_ptr")

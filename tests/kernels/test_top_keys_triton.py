@@ -1,0 +1,61 @@
+"""select_top_keys_into (Triton) against the reference selection: exact sets on tie-free scores, a
+valid top set (and the lowest positions) on ties, budgets of 0 / all keys / more than the keys, rows
+of no keys, widths across block edges, and writes confined to each row's slot and budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import i32, poison_outputs  # noqa: F401
+
+from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
+
+# (num_old_keys, budget) per row: block edges (BLOCK = 256), all keys, more than all, none, one.
+ROWS = [(700, 35), (256, 17), (257, 257), (90, 200), (0, 5), (1, 1), (513, 0), (40, 39)]
+
+
+def _store(num_slots, num_kv_heads, max_budget, device):
+    return torch.full((num_slots, num_kv_heads, max_budget), -7, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+def test_matches_reference_on_distinct_scores(device, num_kv_heads):
+    num_old = [n for n, _ in ROWS]
+    budgets = [b for _, b in ROWS]
+    width, max_budget = max(num_old) + 3, 260
+    scores = torch.rand(len(ROWS), num_kv_heads, width, device=device)  # >= 0, continuous: no ties
+    slots = torch.randperm(len(ROWS) + 3, device=device)[: len(ROWS)]
+    store = _store(len(ROWS) + 3, num_kv_heads, max_budget, device)
+    select_top_keys_into(scores, i32(num_old, device), i32(budgets, device), store, slots)
+    masked = scores.clone()
+    for row, n in enumerate(num_old):
+        masked[row, :, n:] = float("-inf")
+    expected = select_top_keys(masked, i32([min(b, n) for n, b in ROWS], device), max_budget)
+    for row, (n, b) in enumerate(ROWS):
+        kept = min(b, n)
+        assert torch.equal(store[slots[row], :, :kept], expected[row, :, :kept]), row
+        assert (store[slots[row], :, kept:] == -7).all()  # nothing written past the budget
+    untouched = sorted(set(range(len(ROWS) + 3)) - set(slots.tolist()))
+    assert (store[untouched] == -7).all()
+
+
+def test_ties_give_a_valid_top_set_with_the_lowest_positions(device):
+    """Scores quantized to a few values: the kept set is a top-B set and, at the threshold value,
+    takes the lowest positions."""
+    num_old, budget = 600, 50
+    scores = (torch.randint(0, 6, (2, 2, num_old), device=device).float() / 8).contiguous()
+    store = _store(2, 2, 64, device)
+    select_top_keys_into(scores, i32([num_old, num_old], device), i32([budget, budget], device), store,
+                         torch.tensor([0, 1], device=device))  # fmt: skip
+    for row in range(2):
+        for head in range(2):
+            kept = store[row, head, :budget].long()
+            assert torch.equal(kept, kept.sort().values) and kept.unique().numel() == budget
+            values = scores[row, head]
+            threshold = values[kept].min()
+            mask = torch.ones(num_old, dtype=torch.bool, device=device)
+            mask[kept] = False
+            assert (values[mask] <= threshold).all()  # nothing better was left out
+            ties = torch.nonzero(values == threshold).flatten()
+            taken = kept[values[kept] == threshold]
+            assert torch.equal(taken, ties[: taken.numel()])  # the lowest positions among the ties
