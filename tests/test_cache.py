@@ -36,12 +36,14 @@ def test_update_writes_the_active_steps_slots():
     key, value = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     with pytest.raises(RuntimeError, match="only written inside an hf_sparsespec engine step"):
         cache.update(key, value, 1)
-    cache.active_step = SimpleNamespace(backend=TorchBackend(), slot_mapping=slots)
-    returned = cache.update(key, value, 1)
-    assert returned[0] is key
-    flat = cache.layers[1].keys.view(-1, 2, 8)
-    assert torch.equal(flat[slots], key[0].transpose(0, 1))
-    assert cache.layers[0].keys.abs().sum() == 0  # other layers untouched
+    for compiled in (False, True):  # the backend directly, or the custom op a compiled forward calls
+        cache.layers[1].keys.zero_()
+        cache.active_step = SimpleNamespace(backend=TorchBackend(), slot_mapping=slots, compiled=compiled)
+        returned = cache.update(key, value, 1)
+        assert returned[0] is key
+        flat = cache.layers[1].keys.view(-1, 2, 8)
+        assert torch.equal(flat[slots], key[0].transpose(0, 1))
+        assert cache.layers[0].keys.abs().sum() == 0  # other layers untouched
 
 
 def test_offload_and_restore_is_bit_exact_into_new_pages():
