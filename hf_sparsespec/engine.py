@@ -31,7 +31,12 @@ from hf_sparsespec.results import StopChecker
 from hf_sparsespec.runner import ModelRunner, PendingResults
 from hf_sparsespec.sampling import LogitsPipeline
 from hf_sparsespec.scheduler import Request, RowKind, Scheduler
-from hf_sparsespec.validation import cache_kwarg_name, model_geometry, supports_logits_to_keep
+from hf_sparsespec.validation import (
+    cache_kwarg_name,
+    model_geometry,
+    supports_logits_to_keep,
+    tensor_parallel_group,
+)
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class Engine:
             vocab_size=geometry.vocab_size, group=group, selection=config.selection,
             num_sink_tokens=config.num_sink_tokens, use_graphs=use_graphs, cache_kwarg=cache_kwarg_name(model),
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
-            compile_forward=config.compile_forward,
+            compile_forward=config.compile_forward, tp_group=tensor_parallel_group(model),
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 

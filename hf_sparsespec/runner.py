@@ -86,11 +86,15 @@ class ModelRunner:
     def __init__(self, model, cache, backend, pipeline: LogitsPipeline, do_sample: bool, *, k: int,
                  num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
-                 logits_to_keep: bool, max_context: int, compile_forward: bool = False) -> None:  # fmt: skip
+                 logits_to_keep: bool, max_context: int, compile_forward: bool = False,
+                 tp_group=None) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
         self.cache_kwarg, self.logits_to_keep, self.max_context = cache_kwarg, logits_to_keep, max_context
+        # tensor parallelism: every process runs this engine on its share of the heads; the sampled
+        # tokens and acceptances of the group's first process are everyone's (broadcast)
+        self.tp_group = tp_group
         device = cache.layers[0].keys.device
         self.device = device
         self.token_buffer = torch.zeros((num_slots + 1, history_width), dtype=torch.long, device=device)
@@ -305,6 +309,7 @@ class ModelRunner:
         # Verifications sample inside the acceptance; drafts and first tokens sample here.
         probs = torch.softmax(scores, dim=-1) if self.do_sample else None
         tokens = sample_from(probs[v * spec :]) if self.do_sample else scores.argmax(dim=-1)[v * spec :]
+        tokens = self._same_on_every_process(tokens)
 
         results = []
         if v:
@@ -317,6 +322,7 @@ class ModelRunner:
                 draft_probs = self._draft_probs(f["draft_prob_row"].long(), v, probs)
                 accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
                                                       draft_probs)  # fmt: skip
+                accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
         if d:
@@ -329,6 +335,16 @@ class ModelRunner:
         if results:
             values = torch.cat(results)
             self.results[: values.shape[0]].copy_(values)
+
+    def _same_on_every_process(self, values: torch.Tensor) -> torch.Tensor:
+        """Random choices of the tensor-parallel group's first process (the logits are the same on
+        every process, the random streams need not be); greedy choices agree without it."""
+        if self.tp_group is None or not self.do_sample:
+            return values
+        import torch.distributed as dist
+
+        dist.broadcast(values, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return values
 
     def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None):
         """Keep this iteration's drafts (and their processed probabilities) for the verification."""

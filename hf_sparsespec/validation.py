@@ -32,16 +32,31 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def tensor_parallel_size(model: torch.nn.Module) -> int:
+    """transformers' tensor-parallel degree of the model (`from_pretrained(..., tp_plan="auto")`), 1 if none."""
+    return getattr(model, "tp_size", None) or 1
+
+
+def tensor_parallel_group(model: torch.nn.Module):
+    """The process group of the model's tensor-parallel dimension, None without tensor parallelism."""
+    if tensor_parallel_size(model) == 1:
+        return None
+    mesh = model._device_mesh
+    return mesh["tp"].get_group() if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
+
+
 def model_geometry(model: torch.nn.Module) -> ModelGeometry:
+    """The KV geometry this process holds: under tensor parallelism, its share of the heads."""
     config = _text_config(model)
     num_q_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
     parameter = next(model.parameters())
+    tp = tensor_parallel_size(model)
     return ModelGeometry(
         num_layers=config.num_hidden_layers,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
+        num_q_heads=num_q_heads // tp,
+        num_kv_heads=num_kv_heads // tp,
         head_dim=head_dim,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         dtype=parameter.dtype,
@@ -70,6 +85,7 @@ def check_model_supported(model: torch.nn.Module, max_total_len: int) -> None:
             "hf_sparsespec cannot replace it"
         )
     config = _text_config(model)
+    _check_parallelism(model, config)
     if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
         raise NotImplementedError(f"{name} uses multi-head latent attention (MLA), which hf_sparsespec does not support")
     if getattr(config, "attention_chunk_size", None):
@@ -90,3 +106,31 @@ def check_model_supported(model: torch.nn.Module, max_total_len: int) -> None:
                 f"{max_total_len} tokens; hf_sparsespec supports full attention only"
             )
         raise NotImplementedError(f"{name} has '{layer_type}' layers; hf_sparsespec supports full attention only")
+
+
+def _check_parallelism(model: torch.nn.Module, config) -> None:
+    """Tensor parallelism is supported when every process holds whole KV heads; a model spread over
+    devices layer by layer (`device_map` over several GPUs, pipeline stages) or sharded by FSDP is not."""
+    name = type(model).__name__
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None and mesh.mesh_dim_names:
+        for dim in ("pp", "fsdp"):
+            if dim in mesh.mesh_dim_names and mesh[dim].size() > 1:
+                what = "pipeline parallelism" if dim == "pp" else "FSDP sharding"
+                raise NotImplementedError(f"{name} runs with {what} ({dim}={mesh[dim].size()}); hf_sparsespec "
+                                          "supports tensor parallelism (tp_plan='auto') only")  # fmt: skip
+    tp = tensor_parallel_size(model)
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    if num_kv_heads % tp or num_q_heads % tp:
+        raise NotImplementedError(
+            f"{name} has {num_kv_heads} KV heads and {num_q_heads} query heads, which do not split over a "
+            f"tensor-parallel world of {tp}; hf_sparsespec needs whole KV heads on every process"
+        )
+    devices = {parameter.device for parameter in model.parameters()}
+    if len(devices) > 1:
+        raise NotImplementedError(
+            f"{name} is spread over several devices {sorted(map(str, devices))} (device_map or pipeline "
+            "stages); hf_sparsespec runs a model on one device per process: use one device, or tensor "
+            "parallelism with tp_plan='auto' under torchrun"
+        )
