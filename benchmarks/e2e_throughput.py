@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import transformers
 import triton
-from loading import load_gguf, random_model
-from prompts import reasoning_prompts
+from loading import add_model_arguments, load_gguf, random_model
+from prompts import left_pad, reasoning_prompts
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_sparsespec
@@ -154,21 +154,9 @@ def run_hf_static(model, ids, mask, settings: dict, new_tokens: int) -> dict:
             "wall_ms_per_iter": 1000 * seconds / new_tokens}  # fmt: skip
 
 
-def left_pad(prompts, pad_id, device):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", type=Path)
-    source.add_argument("--random", choices=["qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"])
+    add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--runs", default="hf_static,ar,pillar,streaming")

@@ -22,7 +22,7 @@ import torch
 import transformers
 import triton
 from loading import load_gguf
-from prompts import distinct_ngrams, reasoning_prompts
+from prompts import distinct_ngrams, left_pad, reasoning_prompts
 from transformers import GenerationConfig
 
 import hf_sparsespec
@@ -32,17 +32,6 @@ from hf_sparsespec import SparseSpecConfig
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def padded(tokenizer, prompts, device):
-    width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def first_divergence(model, reference, other, mask):
@@ -65,7 +54,7 @@ def first_divergence(model, reference, other, mask):
 
 def phase_exact(model, tokenizer, args, report):
     prompts = reasoning_prompts(tokenizer, args.exact_prompts)
-    ids, mask = padded(tokenizer, prompts, args.device)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, args.device)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         m = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)

@@ -58,3 +58,10 @@ def random_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval(), None
+
+
+def add_model_arguments(parser) -> None:
+    """`--gguf PATH` (real weights) or `--random SHAPE` (random weights of a real shape), one required."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", type=Path)
+    source.add_argument("--random", choices=sorted(RANDOM_SHAPES))

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import torch
-from loading import load_gguf, random_model
+from loading import add_model_arguments, load_gguf, random_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
 
@@ -29,9 +28,7 @@ from hf_sparsespec.generation import prepare_batch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", type=Path)
-    source.add_argument("--random", choices=["qwen2.5-1.5b", "qwen2.5-0.5b", "tiny"])
+    add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=96)

