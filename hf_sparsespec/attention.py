@@ -68,13 +68,13 @@ def sparsespec_attention(
         )  # fmt: skip
         if score:
             ops.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, store, layer_idx,
-                                 step.verify_slots, step.scores, scale, step.backend.name)  # fmt: skip
+                                 step.verify_slots, step.scores, scale, step.spec_len, step.backend.name)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan)  # fmt: skip
     if score:
         step.backend.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, selected,
-                                      step.verify_slots, step.scores, scale)  # fmt: skip
+                                      step.verify_slots, step.scores, scale, step.spec_len)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

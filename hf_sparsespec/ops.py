@@ -64,16 +64,17 @@ def _(query, k_cache, v_cache, page_table, query_start, context_lens, num_full_r
 def update_selection(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, budgets: torch.Tensor, selected: torch.Tensor, layer: int,
-    slots: torch.Tensor, scores: torch.Tensor | None, scale: float, backend: str,
+    slots: torch.Tensor, scores: torch.Tensor | None, scale: float, max_queries: int, backend: str,
 ) -> None:  # fmt: skip
     """Writes `selected[layer]` (the whole store is the mutated argument: a compiled graph loses
     mutations of a view of a tensor it did not receive as an input)."""
     _backend(backend, query.device).update_selection(
-        query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected[layer], slots, scores, scale
+        query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected[layer], slots, scores, scale,
+        max_queries,
     )
 
 
 @update_selection.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, layer, slots, scores, scale,
-      backend):  # fmt: skip
+      max_queries, backend):  # fmt: skip
     return None

@@ -284,6 +284,7 @@ class ModelRunner:
             num_selected=f["num_selected"],
             plan=self._plan(shape, f),
             num_verify_rows=shape.num_verify_rows,
+            spec_len=shape.spec_len,
             verify_page_table=None,
             verify_query_start=f["verify_query_start"],
             num_old_keys=f["num_old_keys"],

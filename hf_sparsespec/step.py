@@ -36,6 +36,7 @@ class StepBatch:
     plan: AttentionPlan | None  # the Triton backend's work lists
     # --- verification rows (PillarAttn) ---
     num_verify_rows: int  # verify slots of the shape (real rows first; padding has no queries)
+    spec_len: int  # k + 1: the most queries of a verification row
     verify_page_table: torch.Tensor  # [num_verify_rows, max_pages] int32
     verify_query_start: torch.Tensor  # [num_verify_rows + 1] int32, absolute token offsets
     num_old_keys: torch.Tensor  # [num_verify_rows] int32, keys older than each verification block

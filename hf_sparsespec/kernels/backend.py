@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
 
     def update_selection(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+        max_queries=None,
     ) -> None: ...  # fmt: skip
 
 
@@ -54,6 +55,7 @@ class TorchBackend:
 
     def update_selection(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+        max_queries=None,
     ) -> None:  # fmt: skip
         update_selection_ref(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots,
                              scores, scale)  # fmt: skip

@@ -191,10 +191,13 @@ def pillar_scores_into(
     num_old_keys: torch.Tensor,
     scores: torch.Tensor,
     scale: float,
+    max_queries: int | None = None,
 ) -> None:
     """Triton scores of `pillar_scores_ref` written into `scores [num_rows, num_kv_heads, width]` at
     `j < num_old_keys[r]` (the rest is left as it was). Every other argument as `pillar_scores`;
-    `num_old_keys[r] <= width`. The grid depends only on the shapes (CUDA-graph safe)."""
+    `num_old_keys[r] <= width`. `max_queries`: the most queries a row has (a verification block, k + 1),
+    which sizes the tile; None: `query`'s tokens spread evenly over the rows. The grid depends only
+    on the shapes (CUDA-graph safe)."""
     group = _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys)
     num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[2]
     check_tensor("scores", scores, dtypes=(torch.float32,), device=query.device, shape=(num_rows, num_kv_heads, None))
@@ -206,8 +209,8 @@ def pillar_scores_into(
     query, page_table, lse = last_dim_contiguous(query), last_dim_contiguous(page_table), last_dim_contiguous(lse)
     # The tile holds a whole verification block when the rows are even (k+1 queries each); from the
     # shapes alone, so no sync. Larger blocks loop over query tiles.
-    mean_q = max(1, -(-num_tokens // num_rows))
-    block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(mean_q * group)))
+    tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
+    block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim)
     keys_per_program = config["KEYS_PER_PROGRAM"]
     programs = PROGRAMS_PER_SM * num_sms(query.device)
@@ -286,10 +289,12 @@ def update_selection(
     slots: torch.Tensor,
     scores: torch.Tensor,
     scale: float,
+    max_queries: int | None = None,
 ) -> None:
     """One layer's PillarAttn refresh on Triton: scores into the workspace `scores [num_rows,
-    num_kv_heads, width]`, then the top keys straight into `selected[slots]` (no host syncs)."""
-    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale)
+    num_kv_heads, width]`, then the top keys straight into `selected[slots]` (no host syncs).
+    `max_queries`: as in `pillar_scores_into` (the verification block size)."""
+    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries)
     select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
 
 

@@ -37,9 +37,10 @@ class TritonBackend:
 
     def update_selection(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+        max_queries=None,
     ) -> None:  # fmt: skip
         if scores is None:
             width = int(num_old_keys.max()) if num_old_keys.numel() else 0  # a sync: tests and one-off calls
             scores = torch.empty((page_table.shape[0], k_cache.shape[2], width), dtype=torch.float32, device=query.device)
         update_selection(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores,
-                         scale)  # fmt: skip
+                         scale, max_queries)  # fmt: skip
