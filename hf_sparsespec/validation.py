@@ -85,7 +85,8 @@ def check_model_supported(model: torch.nn.Module, max_total_len: int) -> None:
             "hf_sparsespec cannot replace it"
         )
     config = _text_config(model)
-    _check_parallelism(model, config)
+    if isinstance(model, torch.nn.Module):
+        _check_parallelism(model, config)
     if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
         raise NotImplementedError(f"{name} uses multi-head latent attention (MLA), which hf_sparsespec does not support")
     if getattr(config, "attention_chunk_size", None):
