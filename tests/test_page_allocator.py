@@ -8,10 +8,8 @@ from hypothesis import strategies as st
 
 from hf_sparsespec.cache import OutOfPagesError, PageAllocator
 
-operations = st.lists(
-    st.tuples(st.sampled_from(["reserve", "ensure", "truncate", "free", "sync"]), st.integers(0, 5), st.integers(0, 70)),
-    max_size=80,
-)
+OPS = ["reserve", "add", "ensure", "truncate", "free", "sync", "park", "release", "unpark"]
+operations = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 5), st.integers(0, 70)), max_size=80)
 
 
 @settings(max_examples=200, deadline=None)
@@ -19,18 +17,25 @@ operations = st.lists(
 def test_random_operations_keep_invariants(num_pages, page_size, ops):
     allocator = PageAllocator(num_pages, page_size)
     model: dict[int, int] = {}  # request -> length, the expected state
+    parked: dict[int, int] = {}  # offloaded request -> positions it will get back
+    in_transit: list[list[int]] = []  # pages taken by `park`, not yet released
     mirror: dict[int, list[int]] = {}  # what a device copy kept current with `take_changed` holds
     for op, request, tokens in ops:
-        if op == "reserve" and request not in model:
-            if allocator.can_reserve(tokens):
+        if op in ("reserve", "add") and request not in model and request not in parked:
+            if op == "add":
+                allocator.add(request)  # no promise: grows while pages are free
+                model[request] = 0
+            elif allocator.can_reserve(tokens):
                 allocator.reserve(request, tokens)
                 model[request] = 0
             else:
                 with pytest.raises(OutOfPagesError):
                     allocator.reserve(request, tokens)
         elif op == "ensure" and request in model:
-            if allocator.pages_for(tokens) <= allocator.reserved_pages(request):
-                allocator.ensure(request, tokens)  # never fails within the reservation
+            reserved = allocator.reserved_pages(request)
+            grow = allocator.pages_for(tokens) - len(allocator.page_table(request))
+            if (reserved is None or allocator.pages_for(tokens) <= reserved) and grow <= allocator.num_free_pages:
+                allocator.ensure(request, tokens)  # never fails within the reservation and the free pages
                 model[request] = max(model[request], tokens)
             else:
                 with pytest.raises(OutOfPagesError):
@@ -38,12 +43,37 @@ def test_random_operations_keep_invariants(num_pages, page_size, ops):
         elif op == "truncate" and request in model:
             allocator.truncate(request, tokens)
             model[request] = min(model[request], tokens)
-        elif op == "free" and request in model:
+        elif op == "truncate" and request in parked:
+            allocator.truncate(request, tokens)  # a rollback read while the request is on the host
+            parked[request] = min(parked[request], tokens)
+        elif op == "free" and (request in model or request in parked):
             allocator.free(request)
-            del model[request]
+            model.pop(request, None)
+            parked.pop(request, None)
+        elif op == "park" and request in model:
+            pages = allocator.park(request)
+            assert len(pages) == allocator.pages_for(model[request]) and allocator.page_table(request) == []
+            in_transit.append(pages)
+            parked[request] = model.pop(request)
+        elif op == "release" and in_transit:
+            allocator.release(in_transit.pop(tokens % len(in_transit)))
+        elif op == "unpark" and request in parked:
+            needed = allocator.pages_for(parked[request])
+            if needed <= allocator.num_free_pages:
+                pages = allocator.unpark(request)
+                assert len(pages) == needed
+                model[request] = parked.pop(request)
+            else:
+                with pytest.raises(OutOfPagesError):
+                    allocator.unpark(request)
         allocator.check_invariants()
+        transit = sum(len(pages) for pages in in_transit)
+        owned = sum(len(allocator.page_table(rid)) for rid in model)
+        assert allocator.num_free_pages + owned + transit == num_pages
+        for rid, length in parked.items():
+            assert allocator.is_parked(rid) and allocator.parked_length(rid) == length
         for rid in list(mirror):
-            if rid not in model:
+            if rid not in model and rid not in parked:  # a parked request's device row stays stale
                 del mirror[rid]
         if op == "sync" and request in model:  # what an iteration sends to the device page table
             table, first = allocator.page_table(request), allocator.take_changed(request)
@@ -94,3 +124,22 @@ def test_take_changed_reports_pages_replaced_after_a_rollback():
     mirror[first:] = allocator.page_table("a")[first:]
     assert mirror == allocator.page_table("a") and mirror[2:] != allocator.page_table("b")
     assert allocator.take_changed("a") == 8  # nothing changed since
+
+
+def test_park_and_unpark_move_a_request_to_fresh_pages():
+    allocator = PageAllocator(num_pages=10, page_size=2)
+    allocator.add("a")
+    allocator.ensure("a", 7)
+    assert allocator.reserved_pages("a") is None and allocator.take_changed("a") == 0
+    old = allocator.park("a")
+    assert len(old) == 4 and allocator.num_free_pages == 6 and allocator.num_used_pages == 4  # in transit
+    allocator.truncate("a", 5)  # a rollback read while it is away
+    assert allocator.parked_length("a") == 5
+    new = allocator.unpark("a")
+    assert len(new) == 3 and not set(new) & set(old) and allocator.length("a") == 5
+    assert allocator.take_changed("a") == 0  # the device row must be rewritten from its first page
+    allocator.release(old)
+    assert allocator.num_free_pages == 7 and allocator.peak_used_pages == 7
+    allocator.check_invariants()
+    with pytest.raises(OutOfPagesError, match="needs 13 more pages, 7 are free"):
+        allocator.ensure("a", 31)
