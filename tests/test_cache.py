@@ -63,11 +63,12 @@ def test_offload_and_restore_is_bit_exact_into_new_pages():
     before = read("a")
     old_table = list(allocator.page_table("a"))
     host = cache.offload_request("a")
-    assert "a" not in allocator and host.length == 9 and host.keys.shape == (3, 9, 2, 8)
+    assert allocator.is_parked("a") and allocator.num_pages_of("a") == 0 and host.length == 9
+    assert host.num_bytes == 3 * 2 * 3 * 4 * 2 * 8 * 4  # 3 pages of 3 layers' K and V, fp32
     allocator.reserve("c", 12)  # someone else takes the freed pages
     allocator.ensure("c", 12)
     cache.restore_request("a", host)
-    assert allocator.page_table("a") != old_table
+    assert not allocator.is_parked("a") and allocator.page_table("a") != old_table
     for (k0, v0), (k1, v1) in zip(before, read("a")):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     allocator.check_invariants()

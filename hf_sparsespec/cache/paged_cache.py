@@ -19,17 +19,18 @@ Invariants:
 - the K/V of a position is written by `update` during a forward, at the slot the active step's
   `slot_mapping` names; a verification overwrites what the drafts wrote at the same positions;
 - `offload_request` + `restore_request` is a bit-exact round trip of a request's K/V (new pages,
-  same positions).
+  same positions), through the host tier (`host_tier.HostTier`: pinned chunks, a copy stream); the
+  engine's `KVManager` drives the same copies without waiting for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_sparsespec.cache.host_tier import HostKV, HostTier
 from hf_sparsespec.cache.page_allocator import PageAllocator
 
 
@@ -67,15 +68,6 @@ class PagedLayer(CacheLayerMixin):
         self.values.zero_()
 
 
-@dataclass
-class HostKV:
-    """A request's K/V moved to host memory: `[num_layers, length, num_kv_heads, head_dim]` each."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    length: int
-
-
 class SparseSpecCache(Cache):
     """Paged KV cache of SparseSpec requests, shared by every request of an engine.
 
@@ -84,6 +76,8 @@ class SparseSpecCache(Cache):
         num_pages, page_size: the page pool of each layer.
         num_slots: requests that can hold a selection at once (the engine's device slots).
         max_budget: the most keys a selection can hold per (layer, KV head).
+        host_pool_bytes: the most host memory offloaded requests may hold (pinned on CUDA).
+        offload_chunk_tokens: token positions per host chunk (the unit of the offload copies).
     """
 
     def __init__(
@@ -97,6 +91,8 @@ class SparseSpecCache(Cache):
         max_budget: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        host_pool_bytes: int = 2**30,
+        offload_chunk_tokens: int = 1024,
     ) -> None:
         layers = [PagedLayer(num_pages, page_size, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
         super().__init__(layers=layers)
@@ -107,7 +103,7 @@ class SparseSpecCache(Cache):
         self.selected = torch.full(
             (num_layers, num_slots, num_kv_heads, max_budget), -1, dtype=torch.int32, device=device
         )
-        self._offloaded_reservations: dict[Hashable, int] = {}
+        self.host = HostTier(self, offload_chunk_tokens, host_pool_bytes)
         self.active_step = None  # the StepBatch of the forward in flight, set by `Engine` around it
 
     @property
@@ -137,29 +133,18 @@ class SparseSpecCache(Cache):
 
     # --- host tier: whole requests out and back --------------------------------------------------
     def offload_request(self, request_id: Hashable) -> HostKV:
-        """Copy a request's K/V to (pinned, where possible) host memory and free its pages."""
+        """Copy a request's K/V to the host pool and free its pages; the request stays known to the
+        allocator (parked). Waits for the copy (the engine's `KVManager` does not)."""
         length = self.allocator.length(request_id)
-        pages = torch.tensor(self.allocator.page_table(request_id), dtype=torch.long, device=self.layers[0].keys.device)
-        pin = self.layers[0].keys.device.type == "cuda"
-
-        def take(pool: str) -> torch.Tensor:
-            rows = torch.stack([getattr(layer, pool)[pages].flatten(0, 1)[:length] for layer in self.layers])
-            return rows.to("cpu").pin_memory() if pin else rows.clone()
-
-        host = HostKV(keys=take("keys"), values=take("values"), length=length)
-        self._offloaded_reservations[request_id] = self.allocator.reserved_pages(request_id)
-        self.allocator.free(request_id)
+        pages = self.allocator.park(request_id)
+        host = self.host.offload(pages, length)
+        host.offload.wait()
+        self.allocator.release(pages)
         return host
 
     def restore_request(self, request_id: Hashable, host: HostKV) -> None:
-        """Bring an offloaded request back into fresh pages (same positions, bit-exact)."""
-        reserved_pages = self._offloaded_reservations.pop(request_id)
-        self.allocator.reserve(request_id, reserved_pages * self.page_size)
-        self.allocator.ensure(request_id, host.length)
-        device = self.layers[0].keys.device
-        slots = torch.tensor(
-            [self.allocator.slot(request_id, p) for p in range(host.length)], dtype=torch.long, device=device
-        )
-        for index, layer in enumerate(self.layers):
-            layer.keys.view(-1, self.num_kv_heads, self.head_dim)[slots] = host.keys[index].to(device, non_blocking=True)
-            layer.values.view(-1, self.num_kv_heads, self.head_dim)[slots] = host.values[index].to(device, non_blocking=True)
+        """Bring an offloaded request back into fresh pages (same positions, bit-exact) and return its
+        host chunks to the pool. Waits for the copy."""
+        pages = self.allocator.unpark(request_id)
+        self.host.restore(host, pages).wait()
+        self.host.release(host)
