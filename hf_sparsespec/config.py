@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 SCHEDULER_POLICIES = ("unified", "naive")
 SELECTION_POLICIES = ("pillar", "streaming", "dense")
 BACKENDS = ("auto", "torch", "triton")
+KV_POLICIES = ("dynamic", "reserve")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -58,6 +60,16 @@ class SparseSpecConfig:
         gpu_memory_fraction: share of free device memory the KV pool may take when sizing itself.
         prefill_chunk_size: the most prompt tokens one iteration prefills (longer prompts are
             prefilled in chunks).
+        kv_policy: `"dynamic"` admits a request when its prompt (plus one speculative block and a
+            small watermark) fits the free pages, grows it page by page, and under pressure offloads
+            whole requests (the most recently admitted first) to a host pool and brings them back
+            (oldest first) when pages free up; nothing is recomputed (see `kv_manager`).
+            `"reserve"` admits a request only when its worst case (prompt + max_new_tokens + one
+            block) can be reserved, and never offloads.
+        host_pool_bytes: the most host memory (pinned on CUDA, allocated as needed) offloaded
+            requests may hold; None: half of the machine's physical memory. An offload that does not
+            fit raises `HostMemoryError`.
+        offload_chunk_tokens: token positions per host chunk, the unit of offload/restore copies.
         backend: attention kernels: `"triton"` on CUDA, `"torch"` (the reference) anywhere;
             `"auto"` picks Triton on CUDA and torch elsewhere.
         cuda_graphs: capture decode iterations (no prefill rows) in CUDA graphs, one per padded
@@ -82,6 +94,9 @@ class SparseSpecConfig:
     num_pages: int | None = None
     gpu_memory_fraction: float = 0.85
     prefill_chunk_size: int = 4096
+    kv_policy: Literal["dynamic", "reserve"] = "dynamic"
+    host_pool_bytes: int | None = None
+    offload_chunk_tokens: int = 1024
     backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
     compile_forward: bool = False
@@ -114,10 +129,23 @@ class SparseSpecConfig:
                 f"SparseSpecConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}"
             )
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
+        _check_choice("kv_policy", self.kv_policy, KV_POLICIES)
+        if self.host_pool_bytes is not None:
+            _check_int("host_pool_bytes", self.host_pool_bytes, 0)
+        _check_int("offload_chunk_tokens", self.offload_chunk_tokens, 1)
         _check_choice("backend", self.backend, BACKENDS)
         for name in ("cuda_graphs", "compile_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def host_pool_size(self) -> int:
+        """`host_pool_bytes`, or half of the physical memory when it is None."""
+        if self.host_pool_bytes is not None:
+            return self.host_pool_bytes
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): a modest default
+            return 16 * 2**30
 
     def budget(self, kv_len: int) -> int:
         """Selected keys per (layer, KV head) for a context of `kv_len` keys (before clamping to the

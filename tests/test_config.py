@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -38,11 +39,21 @@ def test_defaults():
         ("backend", "cuda", r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
         ("delayed_verification", "yes", r"delayed_verification must be a bool, got 'yes'"),
         ("cuda_graphs", 1, r"cuda_graphs must be a bool, got 1"),
+        ("kv_policy", "lru", r"kv_policy must be one of \('dynamic', 'reserve'\), got 'lru'"),
+        ("host_pool_bytes", -1, r"host_pool_bytes must be >= 0, got -1"),
+        ("offload_chunk_tokens", 0, r"offload_chunk_tokens must be >= 1, got 0"),
     ],
 )
 def test_invalid_values_name_field_range_and_value(field, value, message):
     with pytest.raises(ValueError, match=message):
         SparseSpecConfig(**{field: value})
+
+
+def test_host_pool_defaults_to_half_the_physical_memory():
+    assert SparseSpecConfig(host_pool_bytes=123).host_pool_size() == 123
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert SparseSpecConfig().host_pool_size() == physical // 2
+    assert SparseSpecConfig().kv_policy == "dynamic"
 
 
 def test_streaming_sinks_must_fit_the_budget():
