@@ -27,6 +27,7 @@ from hf_sparsespec.cache.paged_cache import SparseSpecCache
 from hf_sparsespec.config import SparseSpecConfig
 from hf_sparsespec.kernels.attention_plan import MAX_BLOCK_M, PlanCapacity, target_items
 from hf_sparsespec.kernels.backend import get_backend
+from hf_sparsespec.kv_manager import KVManager
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.runner import ModelRunner, PendingResults
 from hf_sparsespec.sampling import LogitsPipeline
@@ -82,8 +83,11 @@ class Engine:
             max_budget=layout.max_budget,
             dtype=geometry.dtype,
             device=self.device,
+            host_pool_bytes=config.host_pool_size(),
+            offload_chunk_tokens=config.offload_chunk_tokens,
         )
-        self.scheduler = Scheduler(config, self.cache.allocator, layout.num_slots)
+        self.kv = KVManager(config, self.cache.allocator, self.cache.host)
+        self.scheduler = Scheduler(config, self.cache.allocator, layout.num_slots, self.kv)
         for request in requests:
             request.processor_params = pipeline.request_params(request)
             self.scheduler.add(request)
@@ -145,14 +149,18 @@ class Engine:
         with use_attention(self.model, ATTENTION_NAME), torch.no_grad():
             while self.scheduler.has_work or self.pending:
                 self.step()
+        self.cache.host.synchronize()
 
     def step(self) -> None:
         rows = self.scheduler.schedule()
         if not rows:
-            if not self.pending:
+            if self.pending:
+                while self.pending:
+                    self._read(self.pending.popleft())
+            elif self.kv.busy:
+                self.kv.wait()  # only copies to or from the host are left in flight
+            else:
                 raise RuntimeError("hf_sparsespec: waiting requests cannot be admitted and nothing runs")
-            while self.pending:
-                self._read(self.pending.popleft())
             return
         for row in rows:
             if row.kind is RowKind.PREFILL and row.first_position == 0:  # admitted this iteration

@@ -26,7 +26,7 @@ from hf_sparsespec.engine import Engine
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.sampling import LogitsPipeline
 from hf_sparsespec.scheduler import Request
-from hf_sparsespec.stats import RequestStats, SparseSpecStats
+from hf_sparsespec.stats import KVStats, RequestStats, SparseSpecStats
 from hf_sparsespec.validation import check_model_supported
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set
     return eos_ids, others, pads_finished_rows
 
 
-def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=None, progress=None) -> None:
+def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=None, progress=None) -> KVStats:
     def on_tokens(request: Request, tokens: list[int]) -> None:
         if streamer is not None:
             streamer.put(torch.tensor([tokens]))
@@ -124,7 +124,9 @@ def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=No
         if progress is not None:
             progress.update(1)
 
-    Engine(model, requests, config, pipeline, do_sample, stop_checker, on_tokens, on_finish).run()
+    engine = Engine(model, requests, config, pipeline, do_sample, stop_checker, on_tokens, on_finish)
+    engine.run()
+    return engine.kv.stats
 
 
 # --- model.generate(..., custom_generate=generate) --------------------------------------------------
@@ -183,7 +185,7 @@ def generate(
     pipeline = LogitsPipeline(logits_processor if logits_processor is not None else [])
     start = time.perf_counter()
     try:
-        _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker, streamer)
+        kv_stats = _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker, streamer)
     finally:
         if streamer is not None:
             streamer.end()
@@ -195,7 +197,7 @@ def generate(
     sequences = torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
-    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests], elapsed)
+    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests], elapsed, kv_stats)
     return SparseSpecGenerateOutput(sequences=sequences, sparsespec_stats=stats)
 
 

@@ -23,6 +23,10 @@ about k/(k+1) of the requests as 1-token sparse drafts and 1/(k+1) as (k+1)-toke
 A new request joins the phase bucket that verifies least often, by drafting fewer tokens in its first
 cycle. The `naive` policy joins the fullest bucket instead, so all requests run in lockstep.
 
+KV pages (`kv_manager.KVManager`): before the rows of an iteration are built, the KV manager makes
+the pages they need free, offloading whole requests to the host if it must; an offloaded request
+keeps its phase and gets no rows until it is restored. Admission asks the KV manager too.
+
 Autoregressive mode (k = 0): every iteration is a "verification" of zero drafts, which always
 commits exactly one token; so the request commits it at scheduling time (its value stays on the
 device) and runs again in the next iteration, without waiting for the host to read the result.
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 
 from hf_sparsespec.cache.page_allocator import PageAllocator
 from hf_sparsespec.config import SparseSpecConfig
+from hf_sparsespec.kv_manager import KVManager
 from hf_sparsespec.stats import RequestStats
 
 
@@ -128,9 +133,12 @@ class ScheduledRow:
 class Scheduler:
     """Admission, phases and row selection. Pure host bookkeeping; the engine executes the rows."""
 
-    def __init__(self, config: SparseSpecConfig, allocator: PageAllocator, num_slots: int) -> None:
+    def __init__(
+        self, config: SparseSpecConfig, allocator: PageAllocator, num_slots: int, kv: KVManager | None = None
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.kv = kv if kv is not None else KVManager(config, allocator, host=None)
         self.k = config.num_draft_tokens
         self.autoregressive = self.k == 0
         # iterations per cycle in steady state: k drafts (the first one speculative when delayed), one verification
@@ -174,7 +182,10 @@ class Scheduler:
         verify_rows: list[ScheduledRow] = []
         draft_rows: list[ScheduledRow] = []
         prefill_budget = self.config.prefill_chunk_size
+        self.kv.prepare(self)
         for request in self.active:
+            if not self.kv.runs(request, self.iteration):
+                continue
             if request.phase is Phase.DRAFT:
                 draft_rows.append(self._draft_row(request))
             elif request.phase is Phase.VERIFY:
@@ -187,7 +198,7 @@ class Scheduler:
                 prefill_rows.append(row)
         while self.waiting and self.free_slots and prefill_budget > 0:
             request = self.waiting[0]
-            if not self.allocator.can_reserve(self.reservation(request)):
+            if not self.kv.can_admit(request, self.reservation(request)):
                 break
             self.waiting.popleft()
             self._admit(request)
@@ -202,7 +213,7 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         request.slot = self.free_slots.pop()
         request.phase = Phase.PREFILL
-        self.allocator.reserve(request.request_id, self.reservation(request))
+        self.kv.admit(request, self.reservation(request))
         self.active.append(request)
 
     def _prefill_row(self, request: Request, budget: int) -> ScheduledRow:
@@ -211,6 +222,7 @@ class Scheduler:
         request.num_prefilled += num_tokens
         final = request.num_prefilled == request.prompt_len
         self.allocator.ensure(request.request_id, start + num_tokens)
+        self.kv.count_prefill(num_tokens)
         if final:
             # the first generated token is sampled now; the host reads its value later
             request.num_committed = request.prompt_len + 1
@@ -301,6 +313,46 @@ class Scheduler:
         self._set_verify_iteration(request, -1)
         request.phase = Phase.FINISHED
         request.finish_reason = reason
-        self.allocator.free(request.request_id)
+        self.kv.release(request)
         self.active.remove(request)
         self.free_slots.append(request.slot)
+
+    # --- pages: what the KV manager asks (kv_manager.KVManager) --------------------------------
+    def has_row(self, request: Request) -> bool:
+        """Whether the request's next iteration runs a row (not while it awaits a result)."""
+        return request.phase in (Phase.PREFILL, Phase.DRAFT, Phase.VERIFY)
+
+    def upcoming_length(self, request: Request) -> int:
+        """The most token positions the request holds once its next row ran (its page demand)."""
+        if request.phase is Phase.PREFILL:
+            return request.num_prefilled + min(request.prompt_len - request.num_prefilled, self.config.prefill_chunk_size)
+        if request.phase is Phase.DRAFT:
+            return request.num_committed + request.drafts_done
+        if request.phase is Phase.VERIFY:
+            return request.num_committed + request.cycle_drafts
+        return 0
+
+    def settled(self, request: Request) -> bool:
+        """Whether no unread result can still roll the request's pages back (a verification in flight)."""
+        return self.autoregressive or request.phase is not Phase.AWAIT
+
+    def park(self, request: Request) -> None:
+        """An offloaded request leaves the phase buckets while it is away."""
+        if request.verify_iteration >= 0:
+            self._set_verify_iteration(request, -1)
+
+    def resume(self, request: Request, balance: bool) -> int:
+        """A restored request rejoins with its cycle unchanged; returns the first iteration it runs in:
+        with `balance`, the one (at most a cycle away) that puts its next verification in the
+        least-loaded phase bucket (the fullest for `naive`)."""
+        if self.autoregressive or request.phase not in (Phase.DRAFT, Phase.VERIFY):
+            return self.iteration
+        remaining = request.cycle_drafts - request.drafts_done  # iterations until its verification
+
+        def load(delay: int) -> int:
+            return self.verify_residues[(self.iteration + delay + remaining) % self.cycle_length]
+
+        delays = range(self.cycle_length if balance else 1)
+        delay = max(delays, key=load) if self.config.scheduler == "naive" else min(delays, key=load)
+        self._set_verify_iteration(request, self.iteration + delay + remaining)
+        return self.iteration + delay

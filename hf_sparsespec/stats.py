@@ -15,6 +15,7 @@ is JSON-ready and `plot_histogram()` draws the accepted-drafts histogram with ma
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from dataclasses import dataclass, field
 
@@ -82,28 +83,73 @@ class RequestStats:
         }
 
 
+@dataclass
+class KVStats:
+    """What the KV manager did in one call (totals; see `kv_manager`).
+
+    `offloads`/`restores` count moves of a request to the host and back (`requests_offloaded` counts
+    distinct requests); `forced_offloads` are the offloads an iteration had to wait for (the others
+    overlapped compute); `offloaded_seconds` sums, over requests, the wall time spent away from the
+    batch. `prefill_tokens` are the prompt tokens computed: equal to `prompt_tokens` (nothing is
+    recomputed).
+    """
+
+    policy: str = "dynamic"
+    num_pages: int = 0
+    peak_pages_used: int = 0
+    offloads: int = 0
+    restores: int = 0
+    requests_offloaded: int = 0
+    forced_offloads: int = 0
+    offloaded_bytes: int = 0
+    restored_bytes: int = 0
+    offloaded_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def recomputed_prefill_tokens(self) -> int:
+        return self.prefill_tokens - self.prompt_tokens
+
+    def summary(self) -> str:
+        text = f"{self.policy}, peak {self.peak_pages_used} of {self.num_pages} pages"
+        if self.offloads:
+            text += (
+                f"; {self.offloads} offloads ({self.requests_offloaded} requests, {self.forced_offloads} forced, "
+                f"{self.offloaded_bytes / 2**20:.1f} MiB), {self.restores} restores ({self.restored_bytes / 2**20:.1f} MiB), "
+                f"{self.offloaded_seconds:.2f} request-s away"
+            )
+        return text
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "recomputed_prefill_tokens": self.recomputed_prefill_tokens}
+
+
 @dataclass(repr=False)
 class SparseSpecStats:
     """Statistics of one `generate`/`generate_batch` call: per request (input order) and in total.
 
-    `elapsed_s` is the wall time of the decoding (prefill included), when the caller measured it.
+    `elapsed_s` is the wall time of the decoding (prefill included), when the caller measured it;
+    `kv` what the KV manager did (pages, offloads, restores), when the engine ran.
     """
 
     num_draft_tokens: int
     per_request: list[RequestStats]
     total: RequestStats
     elapsed_s: float | None = None
+    kv: KVStats | None = None
 
     @classmethod
     def from_requests(
-        cls, num_draft_tokens: int, per_request: list[RequestStats], elapsed_s: float | None = None
+        cls, num_draft_tokens: int, per_request: list[RequestStats], elapsed_s: float | None = None,
+        kv: KVStats | None = None,
     ) -> SparseSpecStats:
         total = RequestStats(accepted_histogram=[0] * (num_draft_tokens + 1))
         for stats in per_request:
             total.merge(stats)
         for stats in per_request:
             stats.accepted_histogram.extend([0] * (num_draft_tokens + 1 - len(stats.accepted_histogram)))
-        return cls(num_draft_tokens=num_draft_tokens, per_request=per_request, total=total, elapsed_s=elapsed_s)
+        return cls(num_draft_tokens=num_draft_tokens, per_request=per_request, total=total, elapsed_s=elapsed_s, kv=kv)
 
     @property
     def num_requests(self) -> int:
@@ -136,6 +182,8 @@ class SparseSpecStats:
         ]
         if self.tokens_per_second is not None:
             rows.append(("throughput", f"{self.tokens_per_second:.1f} tokens/s over {self.elapsed_s:.2f} s"))
+        if self.kv is not None:
+            rows.append(("KV cache", self.kv.summary()))
         return rows
 
     def __str__(self) -> str:
@@ -176,6 +224,7 @@ class SparseSpecStats:
             "elapsed_s": self.elapsed_s,
             "tokens_per_second": self.tokens_per_second,
             "total": self.total.as_dict(),
+            "kv": self.kv.as_dict() if self.kv is not None else None,
             "per_request": [stats.as_dict() for stats in self.per_request],
         }
 

@@ -1,0 +1,182 @@
+"""Dynamic KV management end to end: optimistic admission, offload under pressure, restore; nothing lost,
+nothing recomputed, outputs unchanged.
+
+The pool is capped far below the requests' final lengths (room for ~2.5 of 16), so requests are
+offloaded and restored many times; greedy outputs must stay token for token those of the unpressured
+run and of plain `generate`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import assert_greedy_equal, ragged_batch, tiny_model
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+import hf_sparsespec
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.cache import HostMemoryError, PageAllocator
+from hf_sparsespec.kv_manager import KVManager
+from hf_sparsespec.scheduler import Phase, Request, Scheduler
+
+NEW_TOKENS, PAGE, K = 60, 4, 4
+LENGTHS = [3, 11, 7, 5, 9, 4, 10, 6, 8, 3, 11, 5, 7, 9, 4, 6]  # 16 prompts
+
+
+def final_pages(prompt_len: int) -> int:
+    return -(-(prompt_len + NEW_TOKENS + K + 1) // PAGE)
+
+
+POOL = int(2.5 * final_pages(max(LENGTHS)))  # room for ~2.5 of the 16 requests' final lengths
+
+
+def config(**kwargs) -> SparseSpecConfig:
+    return SparseSpecConfig(num_draft_tokens=K, min_budget=4, page_size=PAGE, **kwargs)
+
+
+def run(model, ids, mask, cfg, **kwargs):
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, generation_strategy="sparsespec",
+        sparsespec_config=cfg, return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return ragged_batch(LENGTHS, seed=4)
+
+
+@pytest.fixture(scope="module")
+def unpressured(model, batch):
+    return run(model, *batch, config(), do_sample=False)
+
+
+class Recorder:
+    """Which requests the KV manager offloaded (and which were running then) and restored, in order."""
+
+    def __init__(self, monkeypatch):
+        self.offloads: list[tuple[int, list[int]]] = []  # (victim, running request ids)
+        self.restores: list[int] = []
+        offload, finish_restore = KVManager._offload, KVManager._finish_restore
+        recorder = self
+
+        def _offload(self, request, scheduler, forced):
+            running = [r.request_id for r in scheduler.active if self.residency[r.request_id].value == "running"]
+            recorder.offloads.append((request.request_id, running))
+            return offload(self, request, scheduler, forced)
+
+        def _finish_restore(self, away, scheduler):
+            recorder.restores.append(away.request.request_id)
+            return finish_restore(self, away, scheduler)
+
+        monkeypatch.setattr(KVManager, "_offload", _offload)
+        monkeypatch.setattr(KVManager, "_finish_restore", _finish_restore)
+
+
+def test_greedy_under_pressure_equals_unpressured_and_plain_generate(model, batch, unpressured, monkeypatch):
+    ids, mask = batch
+    assert sum(final_pages(n) for n in LENGTHS) > 6 * POOL
+    recorder = Recorder(monkeypatch)
+    out = run(model, ids, mask, config(num_pages=POOL), do_sample=False)
+    assert out.sequences.tolist() == unpressured.sequences.tolist()  # every request, in order
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    kv = out.sparsespec_stats.kv
+    assert kv.offloads >= 10 and kv.restores == kv.offloads and kv.requests_offloaded >= 8, kv
+    assert kv.offloaded_bytes >= kv.restored_bytes > 0 and kv.offloaded_seconds > 0  # rollbacks while away
+    assert kv.prefill_tokens == kv.prompt_tokens == sum(LENGTHS) and kv.recomputed_prefill_tokens == 0
+    assert kv.peak_pages_used <= POOL == kv.num_pages
+    assert "offloads" in str(out.sparsespec_stats)
+    # first come, first served: the oldest running request is never the victim; restores go oldest first
+    for victim, running in recorder.offloads:
+        assert victim == max(running) and victim != min(running)
+    assert len(recorder.restores) == kv.restores
+
+
+def test_unpressured_run_never_offloads(unpressured):
+    kv = unpressured.sparsespec_stats.kv
+    assert kv.offloads == 0 and kv.policy == "dynamic" and kv.recomputed_prefill_tokens == 0
+
+
+def test_reserve_policy_admits_by_worst_case_and_matches(model, batch, unpressured, monkeypatch):
+    """The baseline policy: same outputs, never offloads, and no more requests at once than worst cases fit."""
+    ids, mask = batch
+    admitted_at_once = []
+    original = Scheduler.schedule
+
+    def schedule(self):
+        rows = original(self)
+        admitted_at_once.append(len(self.active))
+        return rows
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    out = run(model, ids, mask, config(num_pages=POOL, kv_policy="reserve"), do_sample=False)
+    assert out.sequences.tolist() == unpressured.sequences.tolist()
+    kv = out.sparsespec_stats.kv
+    assert kv.policy == "reserve" and kv.offloads == 0 and kv.recomputed_prefill_tokens == 0
+    worst_case = sorted(final_pages(n) for n in LENGTHS)
+    assert max(admitted_at_once) <= max(i for i in range(17) if sum(worst_case[:i]) <= POOL)
+
+
+class StopOnToken(StoppingCriteria):
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_eos_and_stop_criteria_under_pressure(model, batch):
+    """Requests end early (eos, a batch-wide stopping criterion) while others are on the host, and the
+    criteria's frontier waits for offloaded requests."""
+    ids, mask = batch
+    free_run = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    eos, stop = free_run[5, ids.shape[1] + 20].item(), free_run[9, ids.shape[1] + 30].item()
+    kwargs = dict(do_sample=False, eos_token_id=eos)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **kwargs,
+                              stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]))  # fmt: skip
+    out = run(model, ids, mask, config(num_pages=POOL), **kwargs, stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]))
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sequences.shape == expected.shape
+    assert out.sparsespec_stats.kv.offloads > 0
+
+
+def test_a_request_that_cannot_fit_alone_is_refused_before_work(model):
+    with pytest.raises(ValueError, match=r"request 0 needs 18 KV pages \(4 prompt \+ 60 new tokens\), the pool has 17"):
+        run(model, torch.tensor([[5, 6, 7, 8]]), None, config(num_pages=17), do_sample=False)
+
+
+def test_a_full_host_pool_is_a_clear_error(model, batch):
+    ids, mask = batch
+    with pytest.raises(HostMemoryError, match=r"must be offloaded .* the host pool \(0.00 GiB\) is full"):
+        run(model, ids, mask, config(num_pages=POOL, host_pool_bytes=0), do_sample=False)
+
+
+def test_generate_batch_under_pressure_returns_every_request_in_order(model):
+    prompts = [[7, i + 1, 3] for i in range(10)]
+    gc = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    free = hf_sparsespec.generate_batch(model, prompts, gc, config())
+    tight = hf_sparsespec.generate_batch(model, prompts, gc, config(num_pages=30))
+    assert [r.prompt_ids for r in tight] == prompts
+    assert [r.generated_ids for r in tight] == [r.generated_ids for r in free]
+    assert all(r.finish_reason == "length" and len(r.generated_ids) == 40 for r in tight)
+
+
+@pytest.mark.parametrize("policy", ["unified", "naive"])
+def test_a_restored_request_rejoins_in_the_least_loaded_bucket(policy):
+    """Its cycle is unchanged (3 drafts to go); only when it runs again is chosen."""
+    cfg = SparseSpecConfig(num_draft_tokens=4, scheduler=policy)
+    scheduler = Scheduler(cfg, PageAllocator(8, 16), num_slots=4)  # cycle of 4 drafts + verify + await = 6
+    scheduler.iteration = 20
+    scheduler.verify_residues.update({0: 5, 1: 1, 2: 4, 3: 2, 4: 3, 5: 6})
+    request = Request(0, [1, 2], 50, phase=Phase.DRAFT, cycle_drafts=4, drafts_done=1)
+    first = scheduler.resume(request, balance=True)
+    # verification at first + 3: the emptiest residue is 1 (iteration 25 -> first 22); naive joins 5 (iteration 23)
+    assert first == (22 if policy == "unified" else 20)
+    assert request.verify_iteration == first + 3 and scheduler.verify_residues[(first + 3) % 6] in (2, 7)
+    assert scheduler.resume(Request(1, [1], 9, phase=Phase.DRAFT, cycle_drafts=4), balance=False) == 20
