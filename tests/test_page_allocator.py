@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hf_sparsespec.cache import OutOfPagesError, PageAllocator
 
 OPS = ["reserve", "add", "ensure", "truncate", "free", "sync", "park", "release", "unpark"]
-operations = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 5), st.integers(0, 70)), max_size=80)
+operations = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 3), st.integers(0, 70)), min_size=20, max_size=80)
 
 
 @settings(max_examples=200, deadline=None)
