@@ -19,8 +19,8 @@ The `"dynamic"` policy (`SparseSpecConfig.kv_policy`, the default):
   be left (its pages are freed once the copy is done, polled each iteration: the copy overlaps compute).
 - Restore: when the oldest offloaded request's pages fit with twice the headroom to spare (or nothing
   else runs), it gets fresh pages and its K/V is copied back; it rejoins the batch once the copy is
-  done, at the iteration that puts its next verification in the least-loaded phase bucket
-  (`Scheduler.resume`). One restore at a time, oldest first.
+  done, from the iteration that puts its next verification in the least-loaded phase bucket
+  (`Scheduler.resume`; its cycle is unchanged). One restore at a time, oldest first.
 
 What an offloaded request keeps: its host-side state (phase, place in its cycle, committed tokens,
 statistics) and its device slot. Its row of the token buffer (drafts included: their values exist only
@@ -30,8 +30,7 @@ Slots bound admitted requests (running or away); since nothing new is admitted w
 a held slot never keeps out a request that could run.
 
 Invariants:
-- an admitted request is in exactly one state: RUNNING (holds pages; gets rows unless it waits for its
-  bucket), OFFLOADING (its pages in transit, being copied out), OFFLOADED (host chunks only) or
+- an admitted request is in exactly one state: RUNNING (holds pages, gets rows), OFFLOADING (its pages in transit, being copied out), OFFLOADED (host chunks only) or
   RESTORING (fresh pages being copied into); only RUNNING requests get rows;
 - pages change hands only once the copy that reads or writes them is ordered before the compute
   stream's next use of them (`Transfer.order_before_compute`);
@@ -86,7 +85,6 @@ class KVManager:
         self._order: dict[int, int] = {}  # request id -> admission number
         self._admitted = 0
         self._away: dict[int, _Away] = {}
-        self._returning: dict[int, int] = {}  # restored request id -> first iteration it runs in
         self._num_running = 0
         self._offloaded_ids: set[int] = set()
         self.copy_iterations: list[int] = []  # iterations launched while a copy was in flight
@@ -103,10 +101,9 @@ class KVManager:
     def num_away(self) -> int:
         return len(self._away)
 
-    def runs(self, request, iteration: int) -> bool:
-        """Whether the admitted `request` may get a row in `iteration`."""
-        rid = request.request_id
-        return self.residency[rid] is Residency.RUNNING and self._returning.get(rid, iteration) <= iteration
+    def runs(self, request) -> bool:
+        """Whether the admitted `request` holds its pages (may get rows)."""
+        return self.residency[request.request_id] is Residency.RUNNING
 
     def headroom(self, num_running: int) -> int:
         """Pages kept free for growth: one speculative block per running request, at most 1/8 of the pool."""
@@ -140,7 +137,6 @@ class KVManager:
         """The request finished (wherever it is): free its pages and host chunks."""
         rid = request.request_id
         state = self.residency.pop(rid)
-        self._returning.pop(rid, None)
         del self._order[rid]
         away = self._away.pop(rid, None)
         if state is Residency.RUNNING:
@@ -166,8 +162,7 @@ class KVManager:
         running = [r for r in scheduler.active if self.residency[r.request_id] is Residency.RUNNING]
         for away in self._away.values():
             scheduler.park(away.request)  # out of the phase buckets while away
-        self._unblock(scheduler, running)
-        need = sum(self._growth(scheduler, r) for r in running if self.runs(r, iteration))
+        need = sum(self._growth(scheduler, r) for r in running)
         forced = False
         while need > self.allocator.num_free_pages:
             if self._force_offloads():
@@ -204,13 +199,6 @@ class KVManager:
             return None
         return max(running, key=lambda r: self._order[r.request_id])
 
-    def _unblock(self, scheduler, running: list) -> None:
-        """Restored requests wait for their bucket only while others run: if none can run now, they go."""
-        if self._returning and not any(
-            self.runs(r, scheduler.iteration) and scheduler.has_row(r) for r in running
-        ):
-            self._returning.clear()
-
     # --- offload --------------------------------------------------------------------------------
     def _offload(self, request, scheduler, forced: bool) -> None:
         rid = request.request_id
@@ -227,7 +215,6 @@ class KVManager:
         pages = self.allocator.park(rid)
         host = self.host.offload(pages, length) if pages else None
         self.residency[rid] = Residency.OFFLOADING
-        self._returning.pop(rid, None)
         self._num_running -= 1
         self._away[rid] = _Away(request, host, pages, time.perf_counter())
         self._offloaded_ids.add(rid)
@@ -288,8 +275,7 @@ class KVManager:
         self._num_running += 1
         self._stats.restores += 1
         self._stats.offloaded_seconds += time.perf_counter() - away.since
-        others = any(self.runs(r, scheduler.iteration) for r in scheduler.active if r is not request)
-        self._returning[rid] = scheduler.resume(request, balance=others)
+        scheduler.resume(request)
 
     # --- copies in flight -------------------------------------------------------------------------
     def _poll(self, scheduler) -> None:

@@ -2,8 +2,7 @@
 
 A request's life: WAITING -> PREFILL (one or more chunks) -> a cycle repeated until it stops:
 
-    DRAFT x m  (one token per iteration, sparse attention; m = k, or fewer in the first cycle and
-                near the length limit)
+    DRAFT x m  (one token per iteration, sparse attention; m = k, or fewer near the length limit)
     VERIFY     (the last committed token + the m drafts, full attention; PillarAttn selects keys)
     VERIFYING  (the host has not read the verification yet. With delayed verification the request
                 drafts the next cycle's first token in the next iteration anyway, *speculatively*:
@@ -20,8 +19,12 @@ live only on the device.
 
 Unified scheduling: every active request advances one phase per iteration, so each iteration runs
 about k/(k+1) of the requests as 1-token sparse drafts and 1/(k+1) as (k+1)-token verifications.
-A new request joins the phase bucket that verifies least often, by drafting fewer tokens in its first
-cycle. The `naive` policy joins the fullest bucket instead, so all requests run in lockstep.
+A new request joins the phase bucket that verifies least often by waiting (at most one cycle) before
+its first draft; a restored request rejoins the same way. The `naive` policy joins the fullest bucket
+instead, so all requests run in lockstep. Joining by waiting, not by drafting fewer tokens, keeps every
+request's cycles (which positions are drafted, where verifications fall) a function of the request
+alone, whatever else is in the batch: with keyed sampling noise (`sampling.sample_keys`) its sampled
+output does not depend on admission order, batch size or offloads.
 
 KV pages (`kv_manager.KVManager`): before the rows of an iteration are built, the KV manager makes
 the pages they need free, offloading whole requests to the host if it must; an offloaded request
@@ -90,6 +93,7 @@ class Request:
     speculated_iteration: int = -1  # iteration of the speculative first draft, -1: none in flight
     verify_result_index: int = -1  # the in-flight verification's row among its iteration's verify rows
     verify_iteration: int = -1  # iteration of the next (or last) verification, for bucket accounting
+    start_iteration: int = 0  # the request runs no row before this iteration (it waits for its bucket)
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
 
@@ -183,8 +187,9 @@ class Scheduler:
         draft_rows: list[ScheduledRow] = []
         prefill_budget = self.config.prefill_chunk_size
         self.kv.prepare(self)
+        self._release_waiting()
         for request in self.active:
-            if not self.kv.runs(request, self.iteration):
+            if not self._runs(request):
                 continue
             if request.phase is Phase.DRAFT:
                 draft_rows.append(self._draft_row(request))
@@ -270,32 +275,47 @@ class Scheduler:
 
     # --- cycles and buckets --------------------------------------------------------------------
     def start_cycle(self, request: Request, first_draft_iteration: int, first: bool = False) -> None:
-        """Begin drafting at `first_draft_iteration`. A cycle commits at most m + 1 tokens, so m stays
-        below what the request may still commit; the first cycle's m also picks the phase bucket. A
-        cycle whose first draft already ran speculatively counts it; with no room left for a draft
-        (one token to go) the speculative draft is dropped and the cycle verifies at once."""
+        """Begin drafting at `first_draft_iteration` (the first cycle: up to a cycle later, to join a
+        phase bucket). A cycle commits at most m + 1 tokens, so m stays below what the request may
+        still commit. A cycle whose first draft already ran speculatively counts it; with no room left
+        for a draft (one token to go) the speculative draft is dropped and the cycle verifies at once."""
         remaining = request.max_total_len - request.num_committed
-        limit = max(min(self.k, remaining - 1), 0)
+        drafts = max(min(self.k, remaining - 1), 0)
         drafts_done = 0
-        if request.speculated_iteration >= 0 and limit > 0:
+        if request.speculated_iteration >= 0 and drafts > 0:
             first_draft_iteration, drafts_done = request.speculated_iteration, 1
         request.speculated_iteration = -1
-        drafts = self._first_cycle_drafts(limit, first_draft_iteration) if first else limit
+        if first:
+            first_draft_iteration = self._join(first_draft_iteration, drafts, balance=True)
+        request.start_iteration = first_draft_iteration
         request.cycle_drafts = drafts
         request.drafts_done = drafts_done
         request.phase = Phase.DRAFT if drafts > drafts_done else Phase.VERIFY
         self._set_verify_iteration(request, first_draft_iteration + drafts)
 
-    def _first_cycle_drafts(self, limit: int, first_draft_iteration: int) -> int:
-        residues = self.verify_residues
-        candidates = range(limit, -1, -1)  # ties go to more drafts
+    def _join(self, earliest: int, to_verify: int, balance: bool) -> int:
+        """The iteration (at most a cycle after `earliest`) to start from so that the verification
+        `to_verify` iterations later lands in the least-loaded phase bucket (the fullest for `naive`);
+        ties go to the earliest."""
+        if not balance:
+            return earliest
 
-        def load(drafts: int) -> int:
-            return residues[(first_draft_iteration + drafts) % self.cycle_length]
+        def load(delay: int) -> int:
+            return self.verify_residues[(earliest + delay + to_verify) % self.cycle_length]
 
-        if self.config.scheduler == "naive":
-            return max(candidates, key=load)
-        return min(candidates, key=load)
+        delays = range(self.cycle_length)
+        delay = max(delays, key=load) if self.config.scheduler == "naive" else min(delays, key=load)
+        return earliest + delay
+
+    def _runs(self, request: Request) -> bool:
+        return request.start_iteration <= self.iteration and self.kv.runs(request)
+
+    def _release_waiting(self) -> None:
+        """A request waits for its bucket only while others run: when nothing else would, it goes now."""
+        if any(self._runs(r) and self.has_row(r) for r in self.active):
+            return
+        for request in self.active:
+            request.start_iteration = min(request.start_iteration, self.iteration)
 
     # --- results --------------------------------------------------------------------------------
     def commit_verification(self, request: Request, kept: int) -> None:
@@ -341,18 +361,12 @@ class Scheduler:
         if request.verify_iteration >= 0:
             self._set_verify_iteration(request, -1)
 
-    def resume(self, request: Request, balance: bool) -> int:
-        """A restored request rejoins with its cycle unchanged; returns the first iteration it runs in:
-        with `balance`, the one (at most a cycle away) that puts its next verification in the
-        least-loaded phase bucket (the fullest for `naive`)."""
+    def resume(self, request: Request) -> None:
+        """A restored request rejoins with its cycle unchanged, from the iteration (at most a cycle
+        away) that puts its next verification in the least-loaded phase bucket."""
         if self.autoregressive or request.phase not in (Phase.DRAFT, Phase.VERIFY):
-            return self.iteration
-        remaining = request.cycle_drafts - request.drafts_done  # iterations until its verification
-
-        def load(delay: int) -> int:
-            return self.verify_residues[(self.iteration + delay + remaining) % self.cycle_length]
-
-        delays = range(self.cycle_length if balance else 1)
-        delay = max(delays, key=load) if self.config.scheduler == "naive" else min(delays, key=load)
-        self._set_verify_iteration(request, self.iteration + delay + remaining)
-        return self.iteration + delay
+            request.start_iteration = self.iteration
+            return
+        to_verify = request.cycle_drafts - request.drafts_done
+        request.start_iteration = self._join(self.iteration, to_verify, balance=True)
+        self._set_verify_iteration(request, request.start_iteration + to_verify)

@@ -167,16 +167,30 @@ def test_generate_batch_under_pressure_returns_every_request_in_order(model):
     assert all(r.finish_reason == "length" and len(r.generated_ids) == 40 for r in tight)
 
 
-@pytest.mark.parametrize("policy", ["unified", "naive"])
-def test_a_restored_request_rejoins_in_the_least_loaded_bucket(policy):
-    """Its cycle is unchanged (3 drafts to go); only when it runs again is chosen."""
-    cfg = SparseSpecConfig(num_draft_tokens=4, scheduler=policy)
-    scheduler = Scheduler(cfg, PageAllocator(8, 16), num_slots=4)  # cycle of 4 drafts + verify + await = 6
+def scheduler_with_loads(policy: str) -> Scheduler:
+    """k = 4: a cycle of 4 drafts + verify + await = 6 iterations; verifications per residue mod 6."""
+    scheduler = Scheduler(SparseSpecConfig(num_draft_tokens=4, scheduler=policy), PageAllocator(8, 16), num_slots=4)
     scheduler.iteration = 20
     scheduler.verify_residues.update({0: 5, 1: 1, 2: 4, 3: 2, 4: 3, 5: 6})
-    request = Request(0, [1, 2], 50, phase=Phase.DRAFT, cycle_drafts=4, drafts_done=1)
-    first = scheduler.resume(request, balance=True)
-    # verification at first + 3: the emptiest residue is 1 (iteration 25 -> first 22); naive joins 5 (iteration 23)
-    assert first == (22 if policy == "unified" else 20)
-    assert request.verify_iteration == first + 3 and scheduler.verify_residues[(first + 3) % 6] in (2, 7)
-    assert scheduler.resume(Request(1, [1], 9, phase=Phase.DRAFT, cycle_drafts=4), balance=False) == 20
+    return scheduler
+
+
+@pytest.mark.parametrize("policy", ["unified", "naive"])
+def test_requests_join_the_least_loaded_bucket_by_waiting(policy):
+    """A restored request keeps its cycle (3 drafts to go) and a new one drafts a full first cycle: only
+    when they start moves, so that their verification lands in the emptiest bucket (the fullest, naive)."""
+    scheduler = scheduler_with_loads(policy)
+    restored = Request(0, [1, 2], 50, phase=Phase.DRAFT, cycle_drafts=4, drafts_done=1)
+    scheduler.resume(restored)
+    # verification 3 iterations after the start: residue 1 (load 1) from iteration 22; naive: residue 5 from 20
+    assert restored.start_iteration == (22 if policy == "unified" else 20)
+    assert restored.verify_iteration == restored.start_iteration + 3
+    assert (restored.cycle_drafts, restored.drafts_done) == (4, 1)
+    scheduler = scheduler_with_loads(policy)
+    fresh = Request(1, [1, 2], 50, phase=Phase.PREFILL, num_committed=3)
+    scheduler.start_cycle(fresh, 23, first=True)
+    assert (fresh.phase, fresh.cycle_drafts, fresh.drafts_done) == (Phase.DRAFT, 4, 0)
+    # verification 4 iterations after the start: residue 1 from iteration 27; naive: residue 5 from 25
+    assert fresh.start_iteration == (27 if policy == "unified" else 25)
+    assert fresh.verify_iteration == fresh.start_iteration + 4
+    assert scheduler.verify_residues[1 if policy == "unified" else 5] == (2 if policy == "unified" else 7)
