@@ -30,7 +30,8 @@ import torch
 
 from hf_sparsespec.batch import HostBatch, StepShape
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
-from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled, sample_from
+from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref
+from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class ModelRunner:
         fields["draft_index"] = fields["draft_index"].view(shape.num_verify_rows, self.k)
         fields["draft_prob_row"] = fields["draft_prob_row"].view(-1)
         fields["logits_params"] = fields["logits_params"].view(shape.num_params, n)
+        fields["logits_key"] = fields["logits_key"].view(n, 2)
+        fields["accept_key"] = fields["accept_key"].view(shape.num_verify_rows, self.k, 2)
         return StepViews(shape, fields, offsets, offset)
 
     def _upload(self, batch: HostBatch, views: StepViews) -> None:
@@ -307,9 +310,14 @@ class ModelRunner:
         )
         scores = self.pipeline(logits, self.token_buffer, rows)
         v, d = shape.num_verify_rows, shape.num_draft_rows
-        # Verifications sample inside the acceptance; drafts and first tokens sample here.
+        # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
+        # the noise of its own key (request, position, purpose: see `sampling.sample_keys`).
         probs = torch.softmax(scores, dim=-1) if self.do_sample else None
-        tokens = sample_from(probs[v * spec :]) if self.do_sample else scores.argmax(dim=-1)[v * spec :]
+        keys = f["logits_key"]
+        if self.do_sample:
+            tokens = self.backend.keyed_sample(probs[v * spec :], keys[v * spec :])
+        else:
+            tokens = scores.argmax(dim=-1)[v * spec :]
         tokens = self._same_on_every_process(tokens)
 
         results = []
@@ -321,8 +329,14 @@ class ModelRunner:
                 accepted, next_token = accept_greedy(draft_tokens, num_drafts, targets)
             else:
                 draft_probs = self._draft_probs(f["draft_prob_row"].long(), v, probs)
+                target_keys = keys[: v * spec].view(v, spec, 2)
+                verify_rows = torch.arange(v, device=self.device)
+
+                def sample(residual: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+                    return self.backend.keyed_sample(residual, target_keys[verify_rows, accepted])
+
                 accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
-                                                      draft_probs)  # fmt: skip
+                                                      draft_probs, keyed_uniform_ref(f["accept_key"]), sample)  # fmt: skip
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))

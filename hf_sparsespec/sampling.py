@@ -8,10 +8,20 @@ token sampled from the last target distribution (Leviathan et al., 2023). Under 
 is exact match against the target argmax. Both distributions are *processed*: the logits processors
 `generate` builds (temperature, top-k, top-p, repetition penalty, ...) run on draft and target rows
 alike, each row seeing the exact token prefix it has in plain decoding.
+
+Noise: the engine's random draws are keyed, not streamed. Each draw belongs to one request, one token
+position and one purpose (a draft token, a target token: recovered, bonus or first, or the acceptance
+test of a draft), and its noise is a hash of that key and of the seed drawn from torch's generator when
+the engine starts (`sample_keys`, `kernels.keyed_sample`). So a request's samples do not depend on
+which requests share its iterations (admission order, batch size, offload and restore). Reusing a key
+is safe: a position is drafted again only after a rejection before it, and the noise of positions past
+the first rejection never influenced what was committed (so, given the committed tokens, it is still
+fresh); every committed token is drawn exactly as rejection sampling prescribes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,6 +215,32 @@ def _by_prefix_length(processor, scores: torch.Tensor, token_buffer: torch.Tenso
     return processed
 
 
+# Purposes of a keyed draw (`sample_keys`)
+DRAFT_NOISE, TARGET_NOISE, ACCEPT_NOISE = 1, 2, 3
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (uint64 arrays, wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_keys(seed: int, request_ids, positions, purposes) -> np.ndarray:
+    """`[n, 2]` int32 keys (high word, low word, as bit patterns) of n draws, each a hash of (seed,
+    purpose, request id, token position) (arrays broadcast); see `kernels.keyed_sample`."""
+    request_ids, positions, purposes = np.broadcast_arrays(
+        np.asarray(request_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(purposes, np.int64)
+    )
+    with np.errstate(over="ignore"):
+        key = _mix64(np.uint64(seed & (2**64 - 1)) ^ (purposes.astype(np.uint64) * _GOLDEN))
+        key = _mix64(key ^ request_ids.astype(np.uint64))
+        key = _mix64(key ^ positions.astype(np.uint64))
+    words = np.stack([key >> np.uint64(32), key & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
+    return words.view(np.int32).reshape(-1, 2)
+
+
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
     """One token per row of (possibly unnormalised) probabilities `[n, vocab]`: argmax of p / q with
     q ~ Exp(1), exactly how `torch.multinomial` draws one sample, without its host-side validity check
@@ -231,17 +267,26 @@ def accept_sampled(
     num_drafts: torch.Tensor,  # [num_rows] int64
     target_probs: torch.Tensor,  # [num_rows, k + 1, vocab] float32 (rows past m + 1 unused)
     draft_probs: torch.Tensor,  # [num_rows, k, vocab] float32 (rows past m unused)
+    uniform: torch.Tensor | None = None,  # [num_rows, k] float32 in (0, 1); None: torch.rand
+    sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling: `(accepted [num_rows], next_token [num_rows])`; the committed
-    tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling."""
+    tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling.
+
+    `uniform` are the acceptance tests' draws; `sample(probs [num_rows, vocab], accepted [num_rows])`
+    draws the recovered or bonus token (at draft index `accepted`); by default both come from torch's
+    generator (`sample_from`)."""
     num_rows, k = draft_tokens.shape
     device = draft_tokens.device
+    sample = sample if sample is not None else (lambda probs, accepted: sample_from(probs))
     if k == 0:  # autoregressive rows: sample the one target distribution
-        return torch.zeros(num_rows, dtype=torch.long, device=device), sample_from(target_probs[:, 0])
+        accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
+        return accepted, sample(target_probs[:, 0], accepted)
     valid = torch.arange(k, device=device)[None, :] < num_drafts[:, None]
     p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
     q = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
-    uniform = torch.rand(p.shape, device=device, dtype=p.dtype)
+    if uniform is None:
+        uniform = torch.rand(p.shape, device=device, dtype=p.dtype)
     keep = (uniform * q < p) & valid  # accept with probability min(1, p / q)
     accepted = keep.long().cumprod(dim=1).sum(dim=1)
     rows = torch.arange(num_rows, device=device)
@@ -250,4 +295,4 @@ def accept_sampled(
     q_next = draft_probs[rows, accepted.clamp(max=k - 1)] * rejected[:, None]
     residual = (p_next - q_next).clamp(min=0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_next)
-    return accepted, sample_from(residual)
+    return accepted, sample(residual, accepted)

@@ -98,6 +98,22 @@ def test_greedy_under_pressure_equals_unpressured_and_plain_generate(model, batc
     assert len(recorder.restores) == kv.restores
 
 
+def test_sampled_under_pressure_equals_unpressured(model, batch):
+    """Same seed, same samples: each draw's noise is keyed by (request, position, purpose) and a request's
+    cycles do not depend on when it runs (`sampling.sample_keys`, `Scheduler._join`)."""
+    ids, mask = batch
+    kwargs = dict(do_sample=True, temperature=0.8, top_k=30, top_p=0.95)
+    outputs = []
+    for cfg in (config(), config(num_pages=POOL), config(num_pages=POOL, kv_policy="reserve")):
+        torch.manual_seed(11)
+        outputs.append(run(model, ids, mask, cfg, **kwargs))
+    free, pressured, reserved = outputs
+    assert pressured.sparsespec_stats.kv.offloads > 0
+    assert pressured.sequences.tolist() == free.sequences.tolist() == reserved.sequences.tolist()
+    for a, b in zip(free.sparsespec_stats.per_request, pressured.sparsespec_stats.per_request):
+        assert a.cycle_accepted == b.cycle_accepted  # the same drafts were accepted, cycle by cycle
+
+
 def test_unpressured_run_never_offloads(unpressured):
     kv = unpressured.sparsespec_stats.kv
     assert kv.offloads == 0 and kv.policy == "dynamic" and kv.recomputed_prefill_tokens == 0

@@ -1,7 +1,8 @@
 """Sampled SparseSpec outputs are distributed as plain sampling's (lossless speculative sampling).
 
 A small model (vocabulary 8, sharp logits) continues one prompt many times, with sparse drafts poor
-enough that a good share are rejected. Two-sample chi-square tests compare, position by position,
+enough that a good share are rejected (k = 1: the first cycle after prefill drafts densely, every later
+one sparsely; the noise of every draw is keyed per request, `sampling.sample_keys`). Two-sample chi-square tests compare, position by position,
 the token marginals and the consecutive-pair distributions of SparseSpec's samples and plain
 `generate`'s. Overall false-alarm rate: 1e-3 (Bonferroni over the tests of one case).
 """
@@ -39,7 +40,7 @@ def two_sample_pvalue(a: Counter, b: Counter) -> float:
     return chi2_contingency(table).pvalue
 
 
-@pytest.mark.parametrize("num_draft_tokens", [3, 0], ids=["sparsespec", "autoregressive"])
+@pytest.mark.parametrize("num_draft_tokens", [1, 0], ids=["sparsespec", "autoregressive"])
 @pytest.mark.parametrize(
     "sampling",
     [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=5, top_p=0.9)],

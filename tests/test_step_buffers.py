@@ -18,7 +18,7 @@ from hf_sparsespec.batch import BatchBuilder, DevicePageTable
 from hf_sparsespec.cache import PageAllocator
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.results import StopChecker
-from hf_sparsespec.sampling import LogitsPipeline, LogitsRows
+from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, LogitsPipeline, LogitsRows, sample_keys
 from hf_sparsespec.scheduler import Request, RowKind, ScheduledRow
 
 # --- the batch builder ---------------------------------------------------------------------------
@@ -29,7 +29,8 @@ def _reference_fields(rows, allocator, width, k):
     f = {name: [] for name in ("input_index", "position", "kv_slot", "query_start", "context_len", "recent_start",
                                "num_selected", "selection_slot", "logits_token", "logits_prefix_len",
                                "logits_slot", "draft_write", "draft_prob_index", "prefill_write",
-                               "verify_base", "num_drafts", "num_old_keys", "budget", "shift_index")}  # fmt: skip
+                               "verify_base", "num_drafts", "num_old_keys", "budget", "shift_index",
+                               "logits_key", "accept_key")}  # fmt: skip
     f["query_start"].append(0)
     for row in rows:
         request = row.request
@@ -60,16 +61,22 @@ def _reference_fields(rows, allocator, width, k):
             f["budget"].append(row.budget)
             for j in range(k + 1):
                 jj = min(j, m)
-                logits[row.kind].append((start + jj, request.history_offset + row.first_position + jj + 1, request.slot))
+                logits[row.kind].append((start + jj, request.history_offset + row.first_position + jj + 1, request.slot,
+                                         (request.request_id, row.first_position + 1 + jj, TARGET_NOISE)))  # fmt: skip
+            for j in range(k):
+                f["accept_key"].append((request.request_id, row.first_position + 1 + j, ACCEPT_NOISE))
         elif row.kind is RowKind.DRAFT:
-            logits[row.kind].append((start, request.history_offset + row.context_len, request.slot))
+            logits[row.kind].append((start, request.history_offset + row.context_len, request.slot,
+                                     (request.request_id, row.context_len, DRAFT_NOISE)))  # fmt: skip
             f["draft_write"].append(base + row.context_len)
             f["draft_prob_index"].append(request.slot * k + row.draft_index - 1)
         elif row.samples:
-            logits[row.kind].append((start + row.num_tokens - 1, request.history_offset + row.context_len, request.slot))
+            logits[row.kind].append((start + row.num_tokens - 1, request.history_offset + row.context_len, request.slot,
+                                     (request.request_id, row.context_len, TARGET_NOISE)))  # fmt: skip
             f["prefill_write"].append(base + row.context_len)
     for kind in (RowKind.VERIFY, RowKind.DRAFT, RowKind.PREFILL):
-        for token, prefix, slot in logits[kind]:
+        for token, prefix, slot, key in logits[kind]:
+            f["logits_key"].append(key)
             f["logits_token"].append(token)
             f["logits_prefix_len"].append(prefix)
             f["logits_slot"].append(slot)
@@ -122,7 +129,7 @@ def test_builder_equals_the_per_row_construction(schedule):
         allocator.ensure(index, first + n + row.max_shift)
         rows.append(row)
     builder = BatchBuilder(k, num_slots, width, page_size, DevicePageTable(num_slots, width // page_size + 2),
-                           group=2, num_kv_heads=2, plan_items=4, num_params=0, pad=pad)  # fmt: skip
+                           group=2, num_kv_heads=2, plan_items=4, num_params=0, pad=pad, sample_seed=99)  # fmt: skip
     batch = builder.build(rows, allocator)
     a, ref = batch.arrays, _reference_fields(rows, allocator, width, k)
     n_tokens, n_rows = len(ref["input_index"]), len(rows)
@@ -143,6 +150,13 @@ def test_builder_equals_the_per_row_construction(schedule):
     assert len(real) == len(ref["logits_token"])
     for name in ("logits_token", "logits_prefix_len", "logits_slot"):
         assert a[name][real].tolist() == ref[name], name
+    # keyed noise: each draw's (request, position of the drawn token, purpose); nothing where none is drawn
+    keys = a["logits_key"].reshape(-1, 2)
+    assert keys[real].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["logits_key"]]
+    assert not keys[[i for i in range(shape.num_logits) if i not in real]].any()
+    accept = a["accept_key"].reshape(-1, 2)
+    assert accept[: n_verify * k].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["accept_key"]]
+    assert not accept[n_verify * k :].any()
     assert real[: n_verify * spec] == list(range(n_verify * spec))
     n_draft = len(ref["draft_write"])
     assert a["draft_write"][:n_draft].tolist() == ref["draft_write"]

@@ -4,7 +4,8 @@
 the Triton kernels (CUDA, or the CPU interpreter under `TRITON_INTERPRET=1`). Both expose the same
 per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` when `needs_plan`)
 and `update_selection` (PillarAttn: score the verification rows' keys and write each row's top keys
-into the selected-index store). The Triton calls never read device memory back (CUDA-graph safe).
+into the selected-index store), and the sampler's `keyed_sample` (one token per row from keyed
+noise). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import update_selection_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
@@ -33,6 +35,8 @@ class AttentionBackend(Protocol):
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
         max_queries=None,
     ) -> None: ...  # fmt: skip
+
+    def keyed_sample(self, probs, keys) -> torch.Tensor: ...
 
 
 class TorchBackend:
@@ -59,6 +63,9 @@ class TorchBackend:
     ) -> None:  # fmt: skip
         update_selection_ref(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots,
                              scores, scale)  # fmt: skip
+
+    def keyed_sample(self, probs, keys) -> torch.Tensor:
+        return keyed_sample_ref(probs, keys)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

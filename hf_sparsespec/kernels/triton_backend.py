@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
+from hf_sparsespec.kernels.keyed_sample import keyed_sample
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import update_selection
 from hf_sparsespec.kernels.store_kv import store_kv
@@ -44,3 +45,6 @@ class TritonBackend:
             scores = torch.empty((page_table.shape[0], k_cache.shape[2], width), dtype=torch.float32, device=query.device)
         update_selection(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores,
                          scale, max_queries)  # fmt: skip
+
+    def keyed_sample(self, probs, keys) -> torch.Tensor:
+        return keyed_sample(probs, keys)

@@ -1,0 +1,130 @@
+"""keyed_sample: one token per row of probabilities, from noise that depends only on the row's key.
+
+Why: the device generator's stream is consumed by a whole iteration at once, so which requests share
+an iteration (admission order, offload, restore, batch size) would change every request's samples.
+Instead every sampled row carries a 64-bit key that the host derives from (seed, request, position,
+purpose) (`sampling.sample_keys`), and its noise is a counter-based hash of (key, vocabulary index):
+
+    h(key, v) = hash32(key_lo ^ hash32(key_hi ^ v))          hash32: "lowbias32" (C. Wellons), uint32
+    u(key, v) = ((h >> 9) + 0.5) / 2^23                      uniform in (0, 1), exact in float32
+    token     = argmax_v  p[v] / -log u(key, v)              the exponential race: token ~ p / sum(p)
+
+(`torch.multinomial` draws one sample the same way, with its own noise.) Rows with different keys get
+independent noise; the same key always gives the same token.
+
+Triton: one program per row walks the vocabulary in blocks, keeping the running maximum and its
+index (the first index on ties, as `torch.argmax`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
+
+_MASK32 = 0xFFFFFFFF
+_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2^32 for int64 tensors holding uint32 values (no int64 overflow)."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32_ref(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MUL2)
+    return x ^ (x >> 15)
+
+
+def keyed_uniform_ref(
+    keys: torch.Tensor,  # [..., 2] int32/int64 bit patterns of (key_hi, key_lo)
+    index: torch.Tensor | int = 0,  # broadcast against keys[..., 0]
+) -> torch.Tensor:
+    """u(key, index) in (0, 1), float32, shape of `keys[..., 0]` broadcast with `index`."""
+    hi = keys[..., 0].long() & _MASK32
+    lo = keys[..., 1].long() & _MASK32
+    h = hash32_ref(lo ^ hash32_ref(hi ^ index))
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
+
+
+def keyed_sample_ref(
+    probs: torch.Tensor,  # [num_rows, vocab] fp16/bf16/fp32, unnormalised probabilities (>= 0)
+    keys: torch.Tensor,  # [num_rows, 2] int32/int64 bit patterns of each row's key
+) -> torch.Tensor:
+    """Reference (and CPU backend) of `keyed_sample`: `[num_rows]` int64 tokens."""
+    vocab = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    uniform = keyed_uniform_ref(keys[:, None, :], vocab)
+    return (probs.float() / -torch.log(uniform)).argmax(dim=-1)
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 on uint32 (wrapping multiplies)."""
+    x ^= x >> 16
+    x *= tl.full(x.shape, 0x21F0AAAD, tl.uint32)
+    x ^= x >> 15
+    x *= tl.full(x.shape, 0x735A2D97, tl.uint32)
+    x ^= x >> 15
+    return x
+
+
+@triton.jit
+def _keyed_sample_kernel(
+    probs_ptr,  # [num_rows, vocab]
+    keys_ptr,  # [num_rows, 2] int32 or int64
+    out_ptr,  # [num_rows] int64
+    vocab,
+    stride_probs_row,
+    stride_keys_row,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    key_hi = tl.load(keys_ptr + row * stride_keys_row).to(tl.uint32)  # int64 -> low 32 bits
+    key_lo = tl.load(keys_ptr + row * stride_keys_row + 1).to(tl.uint32)
+    offs = tl.arange(0, BLOCK_V)
+    best = tl.full([], -1.0, tl.float32)
+    best_index = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        index = start + offs
+        mask = index < vocab
+        p = tl.load(probs_ptr + row * stride_probs_row + index, mask=mask, other=0.0).to(tl.float32)
+        h = _hash32(key_lo ^ _hash32(key_hi ^ index.to(tl.uint32)))
+        uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        score = tl.where(mask, p / -tl.log(uniform), -1.0)  # BLOCK_V
+        block_best = tl.max(score, axis=0)
+        block_index = tl.argmax(score, axis=0).to(tl.int64) + start
+        take = block_best > best  # strictly: earlier blocks win ties
+        best_index = tl.where(take, block_index, best_index)
+        best = tl.maximum(best, block_best)
+    tl.store(out_ptr + row, best_index)
+
+
+def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Triton `keyed_sample_ref`.
+
+    Args:
+        probs: `[num_rows, vocab]` fp16/bf16/fp32 unnormalised probabilities (>= 0), unit stride over vocab.
+        keys: `[num_rows, 2]` int32/int64, each row's key (high word, low word) as bit patterns.
+    Returns:
+        `[num_rows]` int64 tokens.
+    """
+    check_tensor("probs", probs, ndim=2, dtypes=HALF_AND_FLOAT, device=probs.device)
+    num_rows, vocab = probs.shape
+    check_tensor("keys", keys, dtypes=(torch.int32, torch.int64), device=probs.device, shape=(num_rows, 2))
+    out = torch.empty(num_rows, dtype=torch.long, device=probs.device)
+    if num_rows == 0:
+        return out
+    probs = probs if probs.stride(1) == 1 else probs.contiguous()
+    keys = keys if keys.stride(1) == 1 else keys.contiguous()
+    block = min(4096, triton.next_power_of_2(vocab))
+    _keyed_sample_kernel[(num_rows,)](
+        probs, keys, out, vocab, probs.stride(0), keys.stride(0), BLOCK_V=block, num_warps=4 if block >= 1024 else 1,
+    )  # fmt: skip
+    return out

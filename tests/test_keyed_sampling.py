@@ -1,0 +1,130 @@
+"""Keyed sampling noise: the hash, the Triton kernel against its reference, the statistics of the draws
+(uniform, independent across keys, exact rejection sampling), and the engine property it buys: a
+request's sampled output does not depend on which requests share its iterations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import tiny_model
+from scipy import stats
+from transformers import GenerationConfig
+
+import hf_sparsespec
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.kernels.keyed_sample import hash32_ref, keyed_sample, keyed_sample_ref, keyed_uniform_ref
+from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, accept_sampled, sample_keys
+
+
+def lowbias32(x: int) -> int:
+    """The 32-bit hash in plain Python integers (the oracle)."""
+    mask = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & mask
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & mask
+    return x ^ (x >> 15)
+
+
+def fit(counts: np.ndarray, probs: torch.Tensor) -> float:
+    """Chi-square goodness-of-fit p-value of counts against probabilities."""
+    probs = probs.double().numpy()
+    return stats.chisquare(counts, probs / probs.sum() * counts.sum()).pvalue
+
+
+def test_hash_matches_the_integer_oracle():
+    values = [0, 1, 2, 12345, 2**31 - 1, 2**31, 0xDEADBEEF, 2**32 - 1]
+    assert hash32_ref(torch.tensor(values)).tolist() == [lowbias32(v) for v in values]
+    keys = torch.tensor([[0x12345678, -5]], dtype=torch.int32)  # words as int32 bit patterns
+    u = keyed_uniform_ref(keys, torch.tensor([7]))
+    h = lowbias32((2**32 - 5) ^ lowbias32(0x12345678 ^ 7))
+    assert u.item() == ((h >> 9) + 0.5) / 2**23  # exact in float32
+
+
+def test_keys_are_distinct_per_request_position_and_purpose():
+    rid, pos, purpose = np.meshgrid(np.arange(50), np.arange(200), [DRAFT_NOISE, TARGET_NOISE, ACCEPT_NOISE])
+    keys = sample_keys(7, rid.ravel(), pos.ravel(), purpose.ravel())
+    assert keys.dtype == np.int32 and keys.shape == (30000, 2)
+    assert len({tuple(k) for k in keys.tolist()}) == 30000
+    assert not np.array_equal(sample_keys(8, 1, 2, DRAFT_NOISE), sample_keys(7, 1, 2, DRAFT_NOISE))
+    assert np.array_equal(sample_keys(7, [3], [4], DRAFT_NOISE), sample_keys(7, 3, 4, DRAFT_NOISE))
+
+
+@pytest.mark.parametrize("vocab", [1, 97, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernel_equals_the_reference(vocab, dtype, device):
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(9, vocab, generator=generator).softmax(-1)
+    probs[:, 1::3] = 0.0  # masked tokens (top-k / top-p) are never drawn
+    probs = probs.to(dtype).to(device)
+    keys = torch.from_numpy(sample_keys(3, np.arange(9), 11, TARGET_NOISE)).to(device)
+    expected = keyed_sample_ref(probs, keys)
+    got = keyed_sample(probs, keys)
+    assert got.tolist() == expected.tolist()
+    assert (probs[torch.arange(9), got] > 0).all()
+    assert keyed_sample(probs, keys.long()).tolist() == expected.tolist()  # int64 keys: the same words
+
+
+def test_draws_follow_the_probabilities_and_uniforms_are_independent():
+    n, p = 40_000, torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    keys = torch.from_numpy(sample_keys(11, np.arange(n), 0, DRAFT_NOISE))
+    tokens = keyed_sample_ref(p.expand(n, -1), keys)
+    counts = torch.bincount(tokens, minlength=6).numpy()
+    assert counts[5] == 0 and fit(counts[:5], p[:5]) > 1e-3
+    u = keyed_uniform_ref(keys[:, None, :], torch.arange(4)[None, :]).numpy()  # [n, 4] per key and index
+    assert stats.kstest(u.ravel(), "uniform").pvalue > 1e-3
+    assert np.abs(np.corrcoef(u.T)[np.triu_indices(4, 1)]).max() < 0.03  # across vocabulary indices
+    nearby = keyed_uniform_ref(torch.from_numpy(sample_keys(11, np.arange(n), 1, DRAFT_NOISE)), 0).numpy()
+    assert abs(np.corrcoef(u[:, 0], nearby)[0, 1]) < 0.03  # across positions
+    table = np.histogram2d(u[:, 0], nearby, bins=5)[0]
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_keyed_rejection_sampling_reproduces_the_target_distribution():
+    """The engine's draws end to end: drafts from draft noise, acceptance tests from acceptance noise,
+    recovered tokens from target noise, all keyed by (request, position). First committed token against
+    the target (false-alarm rate 1e-3)."""
+    vocab, k, n = 6, 2, 60_000
+    target = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
+    draft = torch.tensor([0.10, 0.30, 0.20, 0.25, 0.05, 0.10])  # far from the target
+    requests, positions = np.arange(n)[:, None], 10 + np.arange(k + 1)[None, :]
+    draft_keys = torch.from_numpy(sample_keys(5, requests, positions[:, :k], DRAFT_NOISE))
+    drafts = keyed_sample_ref(draft.expand(n * k, -1), draft_keys).view(n, k)
+    uniform = keyed_uniform_ref(torch.from_numpy(sample_keys(5, requests, positions[:, :k], ACCEPT_NOISE)).view(n, k, 2))
+    target_keys = torch.from_numpy(sample_keys(5, requests, positions, TARGET_NOISE)).view(n, k + 1, 2)
+
+    def sample(probs, accepted):
+        return keyed_sample_ref(probs, target_keys[torch.arange(n), accepted])
+
+    accepted, next_token = accept_sampled(
+        drafts, torch.full((n,), k), target.expand(n, k + 1, vocab), draft.expand(n, k, vocab), uniform, sample
+    )
+    first = torch.where(accepted > 0, drafts[:, 0], next_token)
+    counts = torch.bincount(first, minlength=vocab).numpy()
+    assert fit(counts, target) > 1e-3
+    second = torch.where(accepted > 1, drafts[:, 1], next_token)[accepted >= 1]  # given the first was a draft
+    counts = torch.bincount(second, minlength=vocab).numpy()
+    assert fit(counts, target) > 1e-3
+    assert 0.2 < accepted.float().mean() / k < 0.9
+
+
+def test_sampled_outputs_do_not_depend_on_the_batch():
+    """Same seed: each request's sampled tokens are the same whether it runs with 7 others, with at
+    most 3 at a time, under a tight page pool, with the naive scheduler, or without delayed verification."""
+    model = tiny_model("llama")
+    prompts = [[5, 17, 3], [9] * 11, [40, 41, 42, 43, 44, 45, 46], [2], [8, 9], [30, 31, 32, 33], [60] * 5, [1, 2, 3]]
+    gc = GenerationConfig(max_new_tokens=30, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=None)
+
+    def generated(**overrides):
+        torch.manual_seed(3)
+        config = SparseSpecConfig(**{"num_draft_tokens": 4, "min_budget": 4, "page_size": 4, **overrides})
+        return [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc, config)]
+
+    reference = generated()
+    for overrides in (dict(max_num_requests=3), dict(num_pages=20), dict(scheduler="naive"),
+                      dict(delayed_verification=False)):  # fmt: skip
+        assert generated(**overrides) == reference, overrides
+    assert generated(num_draft_tokens=3) != reference  # other cycles, other drafts: other (equally valid) samples
+    torch.manual_seed(4)
+    assert [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc)] != reference  # other seed
