@@ -18,11 +18,23 @@ per iteration next to device ms per iteration (CUDA events around each iteration
 result copy), and the ideal iteration time: the larger of (weights + KV each iteration must read) /
 4.26 TB/s and its FLOPs / 790 TFLOP/s, from the iteration's real rows. Prints a table last, writes
 JSON to --out.
+
+KV policies (`--kv-policy reserve,dynamic` runs each of our runs under each; `--num-pages` caps the
+pool, `third` = room for the worst cases of a third of the requests): the KV table reports peak pages,
+offloads/restores (requests, GiB, forced ones), the request-seconds spent on the host, the device ms of
+iterations launched while a copy was in flight over those of their nearest copy-free neighbours
+(`copy / no-copy`, the overlap target is <= 1.1), and how many outputs equal those of the first policy
+(`--stop eos` ends outputs at eos instead of forcing the length; `--greedy` decodes greedily).
+
+    # dynamic admission + offload vs worst-case reservation, 256 long reasoning outputs, pool for a third
+    python benchmarks/e2e_throughput.py --gguf ~/m/qwen15.gguf --batch 256 --new-tokens 16384 --stop eos \
+        --runs pillar --kv-policy reserve,dynamic --num-pages third --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -105,6 +117,8 @@ class IdealCounter:
 def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool) -> dict:
     job = prepare_batch(model, prompts, gen_config)
     engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
+    if config.num_pages is not None and model.device.type == "cuda":
+        print(f"  KV pool: {config.num_pages} pages ({config.kv_policy})", flush=True)
     engine.runner.time_iterations = model.device.type == "cuda"
     ideal = IdealCounter(model)
     original = engine.runner.run
@@ -133,7 +147,33 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
         "mean_accepted": stats.total.mean_accepted_per_cycle, "histogram": stats.total.accepted_histogram,
         "graph_replays": counters.graph_replays, "eager_iterations": counters.eager_iterations,
         "graphs_captured": counters.graphs_captured, "capture_seconds": counters.capture_seconds,
+        "kv": engine.kv.stats.as_dict(), "copy_slowdown": copy_slowdown(gpu_ms, engine.kv.copy_iterations),
+        "outputs": [list(r.generated) for r in job.requests],
     }  # fmt: skip
+
+
+def copy_slowdown(gpu_ms: list[float], copy_iterations: list[int], window: int = 4) -> float | None:
+    """Median over the iterations launched while a host copy was in flight of (its device ms / the median
+    of its `window` nearest copy-free iterations): ~1.0 when copies overlap compute. None without copies
+    or timings."""
+    copying = set(copy_iterations)
+    free = [i for i in range(len(gpu_ms)) if i not in copying and gpu_ms[i] == gpu_ms[i]]
+    if not copying or not free:
+        return None
+    ratios = []
+    for i in sorted(copying):
+        if i >= len(gpu_ms) or gpu_ms[i] != gpu_ms[i]:
+            continue
+        nearest = sorted(free, key=lambda j: abs(j - i))[:window]
+        ratios.append(gpu_ms[i] / float(np.median([gpu_ms[j] for j in nearest])))
+    return float(np.median(ratios)) if ratios else None
+
+
+def pool_for_a_fraction(model, prompts, new_tokens: int, fraction: float, config: SparseSpecConfig) -> int:
+    """Pages that hold the worst cases (prompt + new tokens + one block) of `fraction` of the requests."""
+    spec = config.num_draft_tokens + 1
+    pages = sorted(-(-(len(p) + new_tokens + spec) // config.page_size) for p in prompts)
+    return sum(pages[: max(1, int(len(prompts) * fraction))])
 
 
 def sync(model) -> None:
@@ -165,6 +205,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kv-policy", default="dynamic", help="comma list of dynamic, reserve: each run under each")
+    parser.add_argument("--num-pages", default=None, help="KV pages per layer, or 'third' (worst cases of 1/3)")
+    parser.add_argument("--stop", choices=["forced", "eos"], default="forced",
+                        help="forced: min_new_tokens = new tokens; eos: outputs end at eos (reasoning lengths)")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (outputs comparable across runs)")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -181,8 +226,10 @@ def main() -> None:
     name = args.gguf.name if args.gguf is not None else f"random {args.random}"
     print(f"loaded {name} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts", flush=True)
     n = args.new_tokens
-    settings = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=n,
-                    min_new_tokens=n, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+    sampling = dict(do_sample=False) if args.greedy else dict(do_sample=True, temperature=args.temperature, top_k=0,
+                                                               top_p=1.0)  # fmt: skip
+    forced = dict(min_new_tokens=n) if args.stop == "forced" else {}
+    settings = dict(**sampling, max_new_tokens=n, **forced, eos_token_id=eos, pad_token_id=pad)
     gen_config = GenerationConfig(**settings)
     report = {"meta": {
         "model": name, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
@@ -192,21 +239,35 @@ def main() -> None:
     warm = SparseSpecConfig(min_budget=args.min_budget)  # Triton compiles once per process, outside the timings
     hf_sparsespec.generate_batch(model, prompts[:8], GenerationConfig(**{**settings, "max_new_tokens": 24,
                                                                           "min_new_tokens": 24}), warm)  # fmt: skip
-    for run in args.runs.split(","):
+    policies = args.kv_policy.split(",")
+    outputs = {}  # run label -> generated ids of every request (compared across policies, not written)
+    for run, policy in [(run, policy) for run in args.runs.split(",") for policy in policies]:
+        label = run if len(policies) == 1 or run == "hf_static" else f"{run}+{policy}"
+        if label in report["runs"]:
+            continue
         torch.manual_seed(args.seed)
         if run == "hf_static":
             ids, mask = left_pad(prompts, pad or 0, args.device)
             result = run_hf_static(model, ids, mask, settings, n)
         else:
-            config = SparseSpecConfig(min_budget=args.min_budget, **SELECTIONS[run])
+            config = SparseSpecConfig(min_budget=args.min_budget, kv_policy=policy, **SELECTIONS[run])
+            if args.num_pages is not None:
+                pages = args.num_pages
+                pages = pool_for_a_fraction(model, prompts, n, 1 / 3, config) if pages == "third" else int(pages)
+                config = dataclasses.replace(config, num_pages=pages)
             if config.compile_forward:  # compile outside the timing (dynamo reuses it for the same model)
                 started = time.perf_counter()
                 short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
                 hf_sparsespec.generate_batch(model, prompts, short, config)
                 print(f"{run}: warm-up with compilation {time.perf_counter() - started:.0f} s", flush=True)
             result = run_ours(model, prompts, gen_config, config, pillar=config.selection == "pillar")
-        report["runs"][run] = result
-        print(f"{run}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)
+            outputs[label] = result.pop("outputs")
+            first = f"{run}+{policies[0]}"
+            if len(policies) > 1 and first in outputs and first != label:
+                same = [a == b for a, b in zip(outputs[label], outputs[first])]
+                result["outputs_equal_to_first_policy"] = f"{sum(same)}/{len(same)}"
+        report["runs"][label] = result
+        print(f"{label}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)
         (args.out / f"e2e_throughput_{args.batch}x{n}.json").write_text(json.dumps(report, indent=1))
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -214,7 +275,8 @@ def main() -> None:
     runs = report["runs"]
     hf = runs.get("hf_static", {}).get("tokens_per_s")
     ar = runs.get("ar", {}).get("tokens_per_s")
-    print(f"\n{name}, batch {args.batch} x {n} new tokens (forced), bf16, T={args.temperature}, "
+    decoding = "greedy" if args.greedy else f"T={args.temperature}"
+    print(f"\n{name}, batch {args.batch} x {n} new tokens ({args.stop}), bf16, {decoding}, "
           f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
           f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
@@ -237,6 +299,18 @@ def main() -> None:
               f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
               f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
               f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} |")  # fmt: skip
+
+    kv_runs = {run: r for run, r in runs.items() if "kv" in r}
+    if kv_runs:
+        print("\n| run | policy | pages (peak / pool) | offloads (requests, forced) | offloaded GiB | restores | "
+              "restored GiB | request-s on host | copy / no-copy iteration | outputs = first policy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for run, r in kv_runs.items():
+            kv, slowdown = r["kv"], r.get("copy_slowdown")
+            print(f"| {run} | {kv['policy']} | {kv['peak_pages_used']} / {kv['num_pages']} | {kv['offloads']} "
+                  f"({kv['requests_offloaded']}, {kv['forced_offloads']}) | {kv['offloaded_bytes'] / 2**30:.2f} | "
+                  f"{kv['restores']} | {kv['restored_bytes'] / 2**30:.2f} | {kv['offloaded_seconds']:.1f} | "
+                  f"{'-' if slowdown is None else f'{slowdown:.2f}x'} | {r.get('outputs_equal_to_first_policy', '-')} |")
 
 
 if __name__ == "__main__":
