@@ -168,6 +168,9 @@ class KVManager:
             if self._force_offloads():
                 continue
             victim = self._victim(running)
+            if victim is None and self._force_restores(scheduler, running):
+                need = sum(self._growth(scheduler, r) for r in running)
+                continue
             if victim is None:
                 raise RuntimeError(
                     f"hf_sparsespec: {need} KV pages needed, {self.allocator.num_free_pages} free and nothing to "
@@ -232,6 +235,15 @@ class KVManager:
         self.allocator.release(away.pages)
         away.pages = []
         self.residency[away.request.request_id] = Residency.OFFLOADED
+
+    def _force_restores(self, scheduler, running: list) -> bool:
+        """Finish the restores in flight (the next iteration waits for those copies): their requests hold
+        pages and become running, so victims, again."""
+        restoring = [a for a in self._away.values() if a.restore is not None]
+        for away in restoring:
+            self._finish_restore(away, scheduler)
+            running.append(away.request)
+        return bool(restoring)
 
     def _force_offloads(self) -> bool:
         """Free the pages of offloads still copying (the next iteration waits for those copies)."""

@@ -8,6 +8,9 @@ run and of plain `generate`.
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 import torch
 from models import assert_greedy_equal, ragged_batch, tiny_model
@@ -15,7 +18,9 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.cache import HostMemoryError, PageAllocator
+from hf_sparsespec.batch import BatchBuilder
+from hf_sparsespec.cache import HostMemoryError, HostTier, PageAllocator
+from hf_sparsespec.cache.host_tier import Transfer
 from hf_sparsespec.kv_manager import KVManager
 from hf_sparsespec.scheduler import Phase, Request, Scheduler
 
@@ -96,6 +101,79 @@ def test_greedy_under_pressure_equals_unpressured_and_plain_generate(model, batc
     for victim, running in recorder.offloads:
         assert victim == max(running) and victim != min(running)
     assert len(recorder.restores) == kv.restores
+
+
+class SlowEvent:
+    """A copy that completes only after a few polls (a busy copy stream), or once the compute stream was
+    ordered after it."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls, self.ordered = polls, False
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+    @property
+    def safe(self) -> bool:
+        return self.polls < 0 or self.ordered
+
+
+def test_slow_copies_keep_pages_in_transit_until_ordered(model, batch, unpressured, monkeypatch):
+    """The CUDA protocol on CPU: copies finish late, so requests sit OFFLOADING/RESTORING across
+    iterations. No page an offload reads goes back to the free list, and no restored request runs, before
+    its copy is done or the compute stream is ordered after it; outputs stay exact."""
+    rng = random.Random(0)
+    offload_of: dict[int, Transfer] = {}  # id(pages list) -> the offload that reads them
+    restore_of: dict[int, Transfer] = {}  # page -> the last restore that wrote it
+    seen = Counter()
+    original_offload, original_restore = HostTier.offload, HostTier.restore
+    original_release, original_build = PageAllocator.release, BatchBuilder.build
+
+    def record(self, num_bytes):
+        return Transfer(SlowEvent(rng.randint(0, 4)), num_bytes)
+
+    def order_before_compute(self):
+        if self.event is not None:
+            self.event.ordered = True
+
+    def offload(self, pages, length):
+        host = original_offload(self, pages, length)
+        offload_of[id(pages)] = host.offload
+        return host
+
+    def restore(self, host, pages):
+        transfer = original_restore(self, host, pages)
+        restore_of.update(dict.fromkeys(pages, transfer))
+        return transfer
+
+    def release(self, pages):
+        if pages:
+            seen["in transit" if offload_of[id(pages)].event.polls >= 0 else "done"] += 1
+            assert offload_of[id(pages)].event.safe, "pages reused before the copy reading them was ordered"
+        return original_release(self, pages)
+
+    def build(self, rows, allocator):
+        for row in rows:
+            for page in allocator.page_table(row.request.request_id):
+                assert page not in restore_of or restore_of[page].event.safe, "ran before its restore"
+        return original_build(self, rows, allocator)
+
+    monkeypatch.setattr(HostTier, "_record", record)
+    monkeypatch.setattr(Transfer, "order_before_compute", order_before_compute)
+    monkeypatch.setattr(HostTier, "offload", offload)
+    monkeypatch.setattr(HostTier, "restore", restore)
+    monkeypatch.setattr(PageAllocator, "release", release)
+    monkeypatch.setattr(BatchBuilder, "build", build)
+    ids, mask = batch
+    out = run(model, ids, mask, config(num_pages=POOL), do_sample=False)
+    assert out.sequences.tolist() == unpressured.sequences.tolist()
+    kv = out.sparsespec_stats.kv
+    assert kv.restores == kv.offloads > 0 and kv.recomputed_prefill_tokens == 0
+    assert seen["in transit"] > 0 and seen["done"] > 0, seen  # forced releases and completed copies both happened
 
 
 def test_sampled_under_pressure_equals_unpressured(model, batch):
