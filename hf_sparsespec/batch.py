@@ -9,8 +9,9 @@ order). This module turns them into every index the device step needs, with nump
     verify   query_start (+1), num_old_keys, budget, slot, first_position, num_drafts, base  [verify rows]
              draft_index, draft_prob_row                   [verify rows x k]
     logits   token, slot, prefix_len                       [logits rows]; processor params [n x logits rows]
-    keys     logits_key [logits rows x 2], accept_key [verify rows x k x 2]: the keyed sampling noise
-             of each draw (`sampling.sample_keys`; zeros under greedy decoding)
+    keys     logits_stream [logits rows x 2]: each draw's noise stream (the device folds in the
+             position of the drawn token), accept_key [verify rows x k x 2]: each acceptance test's
+             key (`sampling.sample_keys`; zeros under greedy decoding)
     drafts   write, prob_index                             [draft rows]
     prefill  write                                         [sampling prefill rows]
     plan     work [num_work x 5], merge [num_merge x 5]    (Triton backend only)
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_sparsespec.kernels.attention_plan import PlanCapacity, block_sizes, plan_capacity, plan_work_lists
-from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, sample_keys
+from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, sample_keys, stream_keys
 from hf_sparsespec.scheduler import RowKind, ScheduledRow
 
 
@@ -78,7 +79,7 @@ class StepShape:
             ("draft_index", v * k), ("draft_prob_row", v * k),
             ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
             ("draft_write", d), ("draft_prob_index", d), ("prefill_write", self.num_prefill_samples),
-            ("logits_key", 2 * n), ("accept_key", 2 * v * k),
+            ("logits_stream", 2 * n), ("accept_key", 2 * v * k),
             ("work", plan.num_work * 5), ("merge", plan.num_merge * 5),
             ("shift_index", r if self.shifted else 0), ("token_row", t if self.shifted else 0),
             ("draft_row", d if self.shifted else 0), ("logits_row", n if self.shifted else 0),
@@ -293,8 +294,8 @@ class BatchBuilder:
         a["logits_params"] = np.where(real[None, :], params[logits_row].T, 0).reshape(-1)
 
         # --- keys of the sampling noise: (request, position of the drawn token, purpose) ---
-        a["logits_key"], a["accept_key"] = self._keys(request_id, logits_row, real, a["logits_prefix_len"], offset,
-                                                      is_draft, vr, v_first, pad_v)  # fmt: skip
+        a["logits_stream"], a["accept_key"] = self._keys(request_id, logits_row, real, offset, is_draft, vr, v_first,
+                                                         pad_v)  # fmt: skip
 
         # --- drafts and first tokens: where sampled tokens go ---
         a["draft_write"] = _pad(row_base[dr] + context[dr], d_pad - n_d, dummy_base)
@@ -326,21 +327,22 @@ class BatchBuilder:
         return HostBatch(shape, rows, verify_rows, [rows[i] for i in prefill_samples], a, host_rows, updates)
 
 
-    def _keys(self, request_id, logits_row, real, prefix_len, offset, is_draft, vr, v_first, pad_v):
-        """`logits_key` [num_logits x 2] (drafts: draft noise; verifications and first tokens: target
-        noise, at the position of the token they draw) and `accept_key` [v_pad x k x 2] (the
-        acceptance test of each draft, at its position); zeros where nothing is drawn."""
+    def _keys(self, request_id, logits_row, real, offset, is_draft, vr, v_first, pad_v):
+        """`logits_stream` [num_logits x 2] (drafts: draft noise; verifications and first tokens: target
+        noise; the device adds the history position of the drawn token, `logits_prefix_len`) and
+        `accept_key` [v_pad x k x 2] (the acceptance test of each draft, at its history position);
+        zeros where nothing is drawn."""
         k, n_v = self.k, len(vr)
-        logits_key = np.zeros((len(logits_row), 2), np.int64)
+        streams = np.zeros((len(logits_row), 2), np.int64)
         accept_key = np.zeros((n_v + pad_v, k, 2), np.int64)
         if self.sample_seed is not None:
             rows = logits_row[real]
-            purpose = np.where(is_draft[rows], DRAFT_NOISE, TARGET_NOISE)
-            logits_key[real] = sample_keys(self.sample_seed, request_id[rows], prefix_len[real] - offset[rows], purpose)
+            streams[real] = stream_keys(self.sample_seed, request_id[rows], np.where(is_draft[rows], DRAFT_NOISE, TARGET_NOISE))
             if k and n_v:
-                positions = v_first[:, None] + 1 + np.arange(k)[None, :]
-                accept_key[:n_v] = sample_keys(self.sample_seed, request_id[vr][:, None], positions, ACCEPT_NOISE).reshape(n_v, k, 2)
-        return logits_key.reshape(-1), accept_key.reshape(-1)
+                positions = (offset[vr] + v_first)[:, None] + 1 + np.arange(k)[None, :]
+                keys = sample_keys(self.sample_seed, request_id[vr][:, None], positions, ACCEPT_NOISE)
+                accept_key[:n_v] = keys.reshape(n_v, k, 2)
+        return streams.reshape(-1), accept_key.reshape(-1)
 
 
 def _pad(values: np.ndarray, count: int, fill: int) -> np.ndarray:

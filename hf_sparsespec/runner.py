@@ -30,7 +30,7 @@ import torch
 
 from hf_sparsespec.batch import HostBatch, StepShape
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
-from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref
+from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
 
@@ -188,7 +188,7 @@ class ModelRunner:
         fields["draft_index"] = fields["draft_index"].view(shape.num_verify_rows, self.k)
         fields["draft_prob_row"] = fields["draft_prob_row"].view(-1)
         fields["logits_params"] = fields["logits_params"].view(shape.num_params, n)
-        fields["logits_key"] = fields["logits_key"].view(n, 2)
+        fields["logits_stream"] = fields["logits_stream"].view(n, 2)
         fields["accept_key"] = fields["accept_key"].view(shape.num_verify_rows, self.k, 2)
         return StepViews(shape, fields, offsets, offset)
 
@@ -311,9 +311,9 @@ class ModelRunner:
         scores = self.pipeline(logits, self.token_buffer, rows)
         v, d = shape.num_verify_rows, shape.num_draft_rows
         # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
-        # the noise of its own key (request, position, purpose: see `sampling.sample_keys`).
+        # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         probs = torch.softmax(scores, dim=-1) if self.do_sample else None
-        keys = f["logits_key"]
+        keys = position_keys_ref(f["logits_stream"], prefix_len)
         if self.do_sample:
             tokens = self.backend.keyed_sample(probs[v * spec :], keys[v * spec :])
         else:

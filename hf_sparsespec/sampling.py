@@ -12,7 +12,8 @@ alike, each row seeing the exact token prefix it has in plain decoding.
 Noise: the engine's random draws are keyed, not streamed. Each draw belongs to one request, one token
 position and one purpose (a draft token, a target token: recovered, bonus or first, or the acceptance
 test of a draft), and its noise is a hash of that key and of the seed drawn from torch's generator when
-the engine starts (`sample_keys`, `kernels.keyed_sample`). So a request's samples do not depend on
+the engine starts (`sample_keys`; the position, shifted on the device for a speculative draft, is folded
+in by the device step: `kernels.keyed_sample`). So a request's samples do not depend on
 which requests share its iterations (admission order, batch size, offload and restore). Reusing a key
 is safe: a position is drafted again only after a rejection before it, and the noise of positions past
 the first rejection never influenced what was committed (so, given the committed tokens, it is still
@@ -227,18 +228,44 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def sample_keys(seed: int, request_ids, positions, purposes) -> np.ndarray:
-    """`[n, 2]` int32 keys (high word, low word, as bit patterns) of n draws, each a hash of (seed,
-    purpose, request id, token position) (arrays broadcast); see `kernels.keyed_sample`."""
-    request_ids, positions, purposes = np.broadcast_arrays(
-        np.asarray(request_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(purposes, np.int64)
-    )
+def stream_keys(seed: int, request_ids, purposes) -> np.ndarray:
+    """`[n, 2]` int32 stream words (high, low, as bit patterns): a splitmix64 hash of (seed, purpose,
+    request id) (arrays broadcast). The draws of one stream differ by position (`position_keys`)."""
+    request_ids, purposes = np.broadcast_arrays(np.asarray(request_ids, np.int64), np.asarray(purposes, np.int64))
     with np.errstate(over="ignore"):
         key = _mix64(np.uint64(seed & (2**64 - 1)) ^ (purposes.astype(np.uint64) * _GOLDEN))
         key = _mix64(key ^ request_ids.astype(np.uint64))
-        key = _mix64(key ^ positions.astype(np.uint64))
     words = np.stack([key >> np.uint64(32), key & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
     return words.view(np.int32).reshape(-1, 2)
+
+
+def _hash32(x: np.ndarray) -> np.ndarray:
+    """lowbias32 on uint32 arrays (`kernels.keyed_sample.hash32_ref` on the host)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x21F0AAAD)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x735A2D97)
+        return x ^ (x >> np.uint32(15))
+
+
+def position_keys(streams: np.ndarray, positions) -> np.ndarray:
+    """`[n, 2]` int32 keys of the draws at `positions` of `streams` (host twin of
+    `kernels.keyed_sample.position_keys_ref`, which the device step runs)."""
+    words = np.asarray(streams, np.int32).reshape(-1, 2).view(np.uint32)
+    p = np.broadcast_to(np.asarray(positions, np.int64), words.shape[:1]).astype(np.uint32)
+    hi = _hash32(words[:, 0] ^ p)
+    lo = _hash32(words[:, 1] ^ _hash32(p ^ np.uint32(0x9E3779B9)))
+    return np.stack([hi, lo], axis=-1).view(np.int32)
+
+
+def sample_keys(seed: int, request_ids, positions, purposes) -> np.ndarray:
+    """`[n, 2]` int32 keys of n draws: (seed, purpose, request id) and the history position of the drawn
+    token (arrays broadcast); see `kernels.keyed_sample`."""
+    request_ids, positions, purposes = np.broadcast_arrays(
+        np.asarray(request_ids, np.int64), np.asarray(positions, np.int64), np.asarray(purposes, np.int64)
+    )
+    return position_keys(stream_keys(seed, request_ids.ravel(), purposes.ravel()), positions.ravel())
 
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:

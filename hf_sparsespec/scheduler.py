@@ -340,7 +340,7 @@ class Scheduler:
     # --- pages: what the KV manager asks (kv_manager.KVManager) --------------------------------
     def has_row(self, request: Request) -> bool:
         """Whether the request's next iteration runs a row (not while it awaits a result)."""
-        return request.phase in (Phase.PREFILL, Phase.DRAFT, Phase.VERIFY)
+        return request.phase in (Phase.PREFILL, Phase.DRAFT, Phase.VERIFY, Phase.VERIFYING)
 
     def upcoming_length(self, request: Request) -> int:
         """The most token positions the request holds once its next row ran (its page demand)."""
@@ -350,11 +350,13 @@ class Scheduler:
             return request.num_committed + request.drafts_done
         if request.phase is Phase.VERIFY:
             return request.num_committed + request.cycle_drafts
+        if request.phase is Phase.VERIFYING:  # the speculative first draft, shifted by at most pending_drafts
+            return request.num_committed + request.pending_drafts + 1
         return 0
 
     def settled(self, request: Request) -> bool:
         """Whether no unread result can still roll the request's pages back (a verification in flight)."""
-        return self.autoregressive or request.phase is not Phase.AWAIT
+        return self.autoregressive or request.phase not in (Phase.VERIFYING, Phase.AWAIT)
 
     def park(self, request: Request) -> None:
         """An offloaded request leaves the phase buckets while it is away."""

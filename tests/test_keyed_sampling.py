@@ -4,6 +4,8 @@ request's sampled output does not depend on which requests share its iterations.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +15,22 @@ from transformers import GenerationConfig
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.kernels.keyed_sample import hash32_ref, keyed_sample, keyed_sample_ref, keyed_uniform_ref
-from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, accept_sampled, sample_keys
+from hf_sparsespec.kernels.keyed_sample import (
+    hash32_ref,
+    keyed_sample,
+    keyed_sample_ref,
+    keyed_uniform_ref,
+    position_keys_ref,
+)
+from hf_sparsespec.sampling import (
+    ACCEPT_NOISE,
+    DRAFT_NOISE,
+    TARGET_NOISE,
+    accept_sampled,
+    position_keys,
+    sample_keys,
+    stream_keys,
+)
 
 
 def lowbias32(x: int) -> int:
@@ -40,6 +56,14 @@ def test_hash_matches_the_integer_oracle():
     u = keyed_uniform_ref(keys, torch.tensor([7]))
     h = lowbias32((2**32 - 5) ^ lowbias32(0x12345678 ^ 7))
     assert u.item() == ((h >> 9) + 0.5) / 2**23  # exact in float32
+
+
+def test_device_position_keys_equal_the_host_twin():
+    streams = stream_keys(5, np.arange(7), [DRAFT_NOISE, TARGET_NOISE, ACCEPT_NOISE, 1, 2, 3, 1])
+    positions = np.array([0, 1, 9, 2**31 + 5, 100, 3, 16383])
+    device = position_keys_ref(torch.from_numpy(streams), torch.from_numpy(positions))
+    assert device.to(torch.int32).tolist() == position_keys(streams, positions).tolist()
+    assert sample_keys(5, 2, 9, ACCEPT_NOISE).tolist() == position_keys(streams[2:3], 9).tolist()
 
 
 def test_keys_are_distinct_per_request_position_and_purpose():
@@ -128,3 +152,43 @@ def test_sampled_outputs_do_not_depend_on_the_batch():
     assert generated(num_draft_tokens=3) != reference  # other cycles, other drafts: other (equally valid) samples
     torch.manual_seed(4)
     assert [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc)] != reference  # other seed
+
+
+def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch):
+    """A speculative draft's position is only known on the device (the accepted count shifts it): its
+    noise must still be keyed at the position where its token lands, not at the row's unshifted one
+    (that key belongs to the previous cycle's draft, whose noise an accepted token already used)."""
+    from hf_sparsespec.batch import BatchBuilder
+    from hf_sparsespec.runner import ModelRunner
+
+    seeds, checked = [], Counter()
+    original_init, original_store = BatchBuilder.__init__, ModelRunner._store_drafts
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        seeds.append(self.sample_seed)
+
+    def store(self, write_index, prob_index, tokens, probs):
+        width = self.token_buffer.shape[1]
+        for index, token, row in zip(write_index.tolist(), tokens.tolist(), probs):
+            slot, position = divmod(index, width)
+            if slot == self.num_slots:
+                continue  # a padding row
+            key = torch.from_numpy(sample_keys(seeds[-1], slot, position, DRAFT_NOISE))  # request i holds slot i
+            assert token == keyed_sample_ref(row[None], key).item(), (slot, position)
+            checked["drafts"] += 1
+        return original_store(self, write_index, prob_index, tokens, probs)
+
+    monkeypatch.setattr(BatchBuilder, "__init__", init)
+    monkeypatch.setattr(ModelRunner, "_store_drafts", store)
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    out = model.generate(
+        input_ids=torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [3, 2, 1]]), max_new_tokens=40, do_sample=True,
+        temperature=0.7, generation_strategy="sparsespec", sparsespec_config=SparseSpecConfig(num_draft_tokens=4),
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    total = out.sparsespec_stats.total
+    # every draft was checked (and speculative drafts dropped at the length limit); accepted drafts moved
+    # the speculative drafts that followed them
+    assert checked["drafts"] >= total.drafted_tokens > 0 and total.accepted_drafts > 0

@@ -262,10 +262,11 @@ def test_generate_batch_under_pressure_returns_every_request_in_order(model):
 
 
 def scheduler_with_loads(policy: str) -> Scheduler:
-    """k = 4: a cycle of 4 drafts + verify + await = 6 iterations; verifications per residue mod 6."""
+    """k = 4: a cycle of 4 drafts + verify = 5 iterations; verifications per residue mod 5."""
     scheduler = Scheduler(SparseSpecConfig(num_draft_tokens=4, scheduler=policy), PageAllocator(8, 16), num_slots=4)
+    assert scheduler.cycle_length == 5
     scheduler.iteration = 20
-    scheduler.verify_residues.update({0: 5, 1: 1, 2: 4, 3: 2, 4: 3, 5: 6})
+    scheduler.verify_residues.update({0: 5, 1: 1, 2: 4, 3: 2, 4: 3})
     return scheduler
 
 
@@ -276,15 +277,15 @@ def test_requests_join_the_least_loaded_bucket_by_waiting(policy):
     scheduler = scheduler_with_loads(policy)
     restored = Request(0, [1, 2], 50, phase=Phase.DRAFT, cycle_drafts=4, drafts_done=1)
     scheduler.resume(restored)
-    # verification 3 iterations after the start: residue 1 (load 1) from iteration 22; naive: residue 5 from 20
-    assert restored.start_iteration == (22 if policy == "unified" else 20)
+    # verification 3 iterations after the start: residue 1 (load 1) from iteration 23; naive: residue 0 from 22
+    assert restored.start_iteration == (23 if policy == "unified" else 22)
     assert restored.verify_iteration == restored.start_iteration + 3
     assert (restored.cycle_drafts, restored.drafts_done) == (4, 1)
     scheduler = scheduler_with_loads(policy)
     fresh = Request(1, [1, 2], 50, phase=Phase.PREFILL, num_committed=3)
     scheduler.start_cycle(fresh, 23, first=True)
     assert (fresh.phase, fresh.cycle_drafts, fresh.drafts_done) == (Phase.DRAFT, 4, 0)
-    # verification 4 iterations after the start: residue 1 from iteration 27; naive: residue 5 from 25
-    assert fresh.start_iteration == (27 if policy == "unified" else 25)
+    # verification 4 iterations after the start: residue 1 from iteration 27; naive: residue 0 from 26
+    assert fresh.start_iteration == (27 if policy == "unified" else 26)
     assert fresh.verify_iteration == fresh.start_iteration + 4
-    assert scheduler.verify_residues[1 if policy == "unified" else 5] == (2 if policy == "unified" else 7)
+    assert scheduler.verify_residues[1 if policy == "unified" else 0] == (2 if policy == "unified" else 6)

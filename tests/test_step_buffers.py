@@ -18,7 +18,15 @@ from hf_sparsespec.batch import BatchBuilder, DevicePageTable
 from hf_sparsespec.cache import PageAllocator
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.results import StopChecker
-from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, LogitsPipeline, LogitsRows, sample_keys
+from hf_sparsespec.sampling import (
+    ACCEPT_NOISE,
+    DRAFT_NOISE,
+    TARGET_NOISE,
+    LogitsPipeline,
+    LogitsRows,
+    position_keys,
+    sample_keys,
+)
 from hf_sparsespec.scheduler import Request, RowKind, ScheduledRow
 
 # --- the batch builder ---------------------------------------------------------------------------
@@ -62,17 +70,19 @@ def _reference_fields(rows, allocator, width, k):
             for j in range(k + 1):
                 jj = min(j, m)
                 logits[row.kind].append((start + jj, request.history_offset + row.first_position + jj + 1, request.slot,
-                                         (request.request_id, row.first_position + 1 + jj, TARGET_NOISE)))  # fmt: skip
+                                         (request.request_id, request.history_offset + row.first_position + 1 + jj,
+                                          TARGET_NOISE)))  # fmt: skip
             for j in range(k):
-                f["accept_key"].append((request.request_id, row.first_position + 1 + j, ACCEPT_NOISE))
+                position = request.history_offset + row.first_position + 1 + j
+                f["accept_key"].append((request.request_id, position, ACCEPT_NOISE))
         elif row.kind is RowKind.DRAFT:
             logits[row.kind].append((start, request.history_offset + row.context_len, request.slot,
-                                     (request.request_id, row.context_len, DRAFT_NOISE)))  # fmt: skip
+                                     (request.request_id, request.history_offset + row.context_len, DRAFT_NOISE)))  # fmt: skip
             f["draft_write"].append(base + row.context_len)
             f["draft_prob_index"].append(request.slot * k + row.draft_index - 1)
         elif row.samples:
             logits[row.kind].append((start + row.num_tokens - 1, request.history_offset + row.context_len, request.slot,
-                                     (request.request_id, row.context_len, TARGET_NOISE)))  # fmt: skip
+                                     (request.request_id, request.history_offset + row.context_len, TARGET_NOISE)))  # fmt: skip
             f["prefill_write"].append(base + row.context_len)
     for kind in (RowKind.VERIFY, RowKind.DRAFT, RowKind.PREFILL):
         for token, prefix, slot, key in logits[kind]:
@@ -151,9 +161,10 @@ def test_builder_equals_the_per_row_construction(schedule):
     for name in ("logits_token", "logits_prefix_len", "logits_slot"):
         assert a[name][real].tolist() == ref[name], name
     # keyed noise: each draw's (request, position of the drawn token, purpose); nothing where none is drawn
-    keys = a["logits_key"].reshape(-1, 2)
-    assert keys[real].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["logits_key"]]
-    assert not keys[[i for i in range(shape.num_logits) if i not in real]].any()
+    streams = a["logits_stream"].reshape(-1, 2)
+    keys = position_keys(streams[real], a["logits_prefix_len"][real])  # what the device step folds in
+    assert keys.tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["logits_key"]]
+    assert not streams[[i for i in range(shape.num_logits) if i not in real]].any()
     accept = a["accept_key"].reshape(-1, 2)
     assert accept[: n_verify * k].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["accept_key"]]
     assert not accept[n_verify * k :].any()

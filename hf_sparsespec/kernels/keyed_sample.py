@@ -2,9 +2,12 @@
 
 Why: the device generator's stream is consumed by a whole iteration at once, so which requests share
 an iteration (admission order, offload, restore, batch size) would change every request's samples.
-Instead every sampled row carries a 64-bit key that the host derives from (seed, request, position,
-purpose) (`sampling.sample_keys`), and its noise is a counter-based hash of (key, vocabulary index):
+Instead every sampled row carries a 64-bit key: the host derives a *stream* from (seed, request,
+purpose) (`sampling.stream_keys`), and `position_keys_ref` folds in the position of the drawn token on
+the device (a speculative draft's position is only known there). Its noise is a counter-based hash
+of (key, vocabulary index):
 
+    key       = (hash32(hi ^ p), hash32(lo ^ hash32(p ^ 0x9E3779B9)))   stream (hi, lo), position p
     h(key, v) = hash32(key_lo ^ hash32(key_hi ^ v))          hash32: "lowbias32" (C. Wellons), uint32
     u(key, v) = ((h >> 9) + 0.5) / 2^23                      uniform in (0, 1), exact in float32
     token     = argmax_v  p[v] / -log u(key, v)              the exponential race: token ~ p / sum(p)
@@ -26,6 +29,7 @@ from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
 
 _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+_POSITION_SALT = 0x9E3779B9
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -41,6 +45,17 @@ def hash32_ref(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = _mul32(x, _MUL2)
     return x ^ (x >> 15)
+
+
+def position_keys_ref(
+    streams: torch.Tensor,  # [..., 2] int32/int64 bit patterns of (hi, lo) stream words
+    positions: torch.Tensor,  # [...] int64, broadcast against streams[..., 0]
+) -> torch.Tensor:
+    """`[..., 2]` int64 keys of the draws at `positions` of each stream (see the module docstring)."""
+    hi = streams[..., 0].long() & _MASK32
+    lo = streams[..., 1].long() & _MASK32
+    p = positions.long() & _MASK32
+    return torch.stack([hash32_ref(hi ^ p), hash32_ref(lo ^ hash32_ref(p ^ _POSITION_SALT))], dim=-1)
 
 
 def keyed_uniform_ref(
