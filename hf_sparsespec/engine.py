@@ -72,7 +72,8 @@ class Engine:
         geometry = model_geometry(model)
         self.device = geometry.device
         backend = get_backend(config.backend, self.device)
-        self.layout = layout = self._layout(requests, geometry)
+        tp_group = tensor_parallel_group(model)
+        self.layout = layout = self._layout(requests, geometry, tp_group)
         self.cache = SparseSpecCache(
             num_layers=geometry.num_layers,
             num_kv_heads=geometry.num_kv_heads,
@@ -86,7 +87,8 @@ class Engine:
             host_pool_bytes=config.host_pool_size(),
             offload_chunk_tokens=config.offload_chunk_tokens,
         )
-        self.kv = KVManager(config, self.cache.allocator, self.cache.host)
+        # under tensor parallelism every process must decide alike: no decision on a copy's progress
+        self.kv = KVManager(config, self.cache.allocator, self.cache.host, synchronous=tp_group is not None)
         self.scheduler = Scheduler(config, self.cache.allocator, layout.num_slots, self.kv)
         for request in requests:
             request.processor_params = pipeline.request_params(request)
@@ -107,11 +109,11 @@ class Engine:
             vocab_size=geometry.vocab_size, group=group, selection=config.selection,
             num_sink_tokens=config.num_sink_tokens, use_graphs=use_graphs, cache_kwarg=cache_kwarg_name(model),
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
-            compile_forward=config.compile_forward, tp_group=tensor_parallel_group(model),
+            compile_forward=config.compile_forward, tp_group=tp_group,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 
-    def _layout(self, requests: list[Request], geometry) -> EngineLayout:
+    def _layout(self, requests: list[Request], geometry, tp_group=None) -> EngineLayout:
         config = self.config
         num_slots = min(config.max_num_requests, len(requests))
         spec = self.k + 1
@@ -125,6 +127,12 @@ class Engine:
             page_bytes = 2 * geometry.num_layers * config.page_size * geometry.num_kv_heads * geometry.head_dim
             page_bytes *= geometry.dtype.itemsize
             num_pages = max(1, min(needed, int(free * config.gpu_memory_fraction) // page_bytes))
+            if tp_group is not None:  # one pool size for the group: admission and offloads must agree
+                import torch.distributed as dist
+
+                smallest = torch.tensor([num_pages], device=self.device)
+                dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=tp_group)
+                num_pages = int(smallest.item())
         else:
             num_pages = needed
         max_context = max(r.max_total_len + spec for r in requests)

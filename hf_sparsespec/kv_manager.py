@@ -38,6 +38,11 @@ Invariants:
 - no prefill is recomputed and no request is lost (`KVStats` counts both).
 
 The `"reserve"` policy admits by worst-case reservation and never offloads (the baseline).
+
+Under tensor parallelism (`synchronous`) every process runs its own engine, and all must build the
+same iterations: a decision may not depend on how far a copy got, so every offload and restore is
+complete, for the compute stream, in the iteration that starts it (the copies still run on the copy
+stream, ordered before the next iteration, without overlapping it).
 """
 
 from __future__ import annotations
@@ -75,8 +80,11 @@ class KVManager:
     building an iteration's rows, `runs` for each admitted request, `can_admit`/`admit` for waiting
     ones and `release` when one finishes."""
 
-    def __init__(self, config: SparseSpecConfig, allocator: PageAllocator, host: HostTier | None) -> None:
+    def __init__(
+        self, config: SparseSpecConfig, allocator: PageAllocator, host: HostTier | None, synchronous: bool = False
+    ) -> None:
         self.config = config
+        self.synchronous = synchronous
         self.allocator = allocator
         self.host = host
         self.dynamic = config.kv_policy == "dynamic"
@@ -226,7 +234,7 @@ class KVManager:
         self._stats.offloaded_bytes += host.num_bytes if host else 0
         if forced:
             self._stats.forced_offloads += 1
-        if forced or host is None or host.offload.done():
+        if forced or self.synchronous or host is None or host.offload.done():
             self._finish_offload(self._away[rid])
 
     def _finish_offload(self, away: _Away) -> None:
@@ -273,7 +281,7 @@ class KVManager:
         self.residency[rid] = Residency.RESTORING
         away.restore = self.host.restore(away.host, pages) if pages else Transfer(None, 0)
         self._stats.restored_bytes += away.restore.num_bytes
-        if away.restore.done():
+        if self.synchronous or away.restore.done():
             self._finish_restore(away, scheduler)
 
     def _finish_restore(self, away: _Away, scheduler) -> None:
