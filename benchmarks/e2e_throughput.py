@@ -26,7 +26,11 @@ iterations launched while a copy was in flight over those of their nearest copy-
 (`copy / no-copy`, the overlap target is <= 1.1), and how many outputs equal those of the first policy
 (`--stop eos` ends outputs at eos instead of forcing the length; `--greedy` decodes greedily).
 
-    # dynamic admission + offload vs worst-case reservation, 256 long reasoning outputs, pool for a third
+    # dynamic admission + offload vs worst-case reservation on one pool (the worst cases of a third of
+    # the requests): long forced outputs fill the pool, so requests move to the host and back
+    python benchmarks/e2e_throughput.py --gguf ~/m/qwen15.gguf --batch 256 --new-tokens 8192 \
+        --runs pillar --kv-policy reserve,dynamic --num-pages third --out $OUT
+    # eos-terminated reasoning under max_new_tokens 16384: admission without a length guess
     python benchmarks/e2e_throughput.py --gguf ~/m/qwen15.gguf --batch 256 --new-tokens 16384 --stop eos \
         --runs pillar --kv-policy reserve,dynamic --num-pages third --out $OUT
 """
