@@ -2,9 +2,10 @@
 
 A small model (vocabulary 8, sharp logits) continues one prompt many times, with sparse drafts poor
 enough that a good share are rejected (k = 1: the first cycle after prefill drafts densely, every later
-one sparsely; the noise of every draw is keyed per request, `sampling.sample_keys`). Two-sample chi-square tests compare, position by position,
-the token marginals and the consecutive-pair distributions of SparseSpec's samples and plain
-`generate`'s. Overall false-alarm rate: 1e-3 (Bonferroni over the tests of one case).
+one sparsely; the noise of every draw is keyed per request, `sampling.sample_keys`). Two-sample
+chi-square tests compare, position by position, the token marginals and the consecutive-pair
+distributions of SparseSpec's samples and plain `generate`'s. Overall false-alarm rate: 1e-3
+(Bonferroni over the tests of one case).
 """
 
 from __future__ import annotations
