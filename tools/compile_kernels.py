@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_sparsespec.kernels._attention_tile import _merge_splits_kernel
+from hf_sparsespec.kernels.keyed_sample import _keyed_sample_kernel
 from hf_sparsespec.kernels.mixed_attention import _mixed_attention_kernel
 from hf_sparsespec.kernels.paged_attention import _paged_attention_kernel
 from hf_sparsespec.kernels.pillar_select import _pillar_scores_kernel
@@ -25,7 +26,7 @@ from hf_sparsespec.kernels.store_kv import _store_kv_kernel
 from hf_sparsespec.kernels.top_keys import _select_top_keys_kernel
 
 DATA = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")
-FLOAT = ("lse_ptr", "part_out_ptr", "part_lse_ptr", "scores_ptr")
+FLOAT = ("lse_ptr", "part_out_ptr", "part_lse_ptr", "scores_ptr", "probs_ptr")
 
 
 def signature(kernel, dtype: str, constexprs: dict, int64=()) -> dict:
@@ -61,6 +62,7 @@ def cases(head_dim: int, group: int, page_size: int, dtype: str):
         ("slot_mapping_ptr",), {}
     yield _pillar_scores_kernel, dict(common, BLOCK_M=block_full, BLOCK_N=128, KEYS_PER_PROGRAM=512), (), {}
     yield _select_top_keys_kernel, dict(BLOCK=256, NUM_THRESHOLDS=16, NUM_PASSES=8), ("slots_ptr",), {}
+    yield _keyed_sample_kernel, dict(BLOCK_V=4096), ("keys_ptr", "out_ptr"), {}
 
 
 def main() -> None:
