@@ -1,0 +1,400 @@
+"""Selection policies of the acceptance study: which old keys a draft step attends, per (layer, KV head).
+
+Vocabulary (the engine's, `hf_sparsespec/scheduler.py`): a cycle starts at position `t` (the last
+committed token, no KV yet); the previous verification's block started at `recent_start`; keys
+`recent_start <= j < t` (plus the cycle's own draft keys) are the *recent window*, always attended;
+keys `j < recent_start` are *old* and attended only when the policy selects them. The budget `B` of a
+cycle is the engine's `min(block_start, max(min_budget, ceil(budget_ratio * (block_start + k + 1))))`,
+fixed at the verification that opened the cycle.
+
+A policy owns a contiguous slice of the study's rows (its episodes) and answers, per layer:
+- `after_verify(layer, view)`: the verification's exact attention probabilities, to prepare the
+  next cycle (PillarAttn scores, candidate sets, budgets);
+- `draft(layer, view)`: the old-key mask `[rows, kv_heads, N]` of this draft step and the extra key
+  vectors it read besides K and V of the attended keys (page summaries, candidate keys), per row.
+
+Invariant: a policy never looks at keys `j >= t` (the harness hands them over as -inf logits) and a
+policy's mask only holds old keys. Bytes are counted by the harness from the masks, so unions and
+overlaps are charged as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def top_mask(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the `budget` best entries of `scores [..., N]` (-inf = never), per leading index.
+
+    `budget` broadcasts against `scores.shape[:-1]`; ties go to the lower position."""
+    width = scores.shape[-1]
+    most = int(budget.max()) if budget.numel() else 0
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    most = min(most, width)
+    if most <= 0:
+        return mask
+    values, index = scores.topk(most, dim=-1, sorted=True)
+    rank = torch.arange(most, device=scores.device)
+    keep = (rank < budget.expand(scores.shape[:-1])[..., None]) & torch.isfinite(values)
+    return mask.scatter_(-1, index, keep)
+
+
+def quest_bound(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of `q . k` over each page, max over the GQA group: `[r, kvh, pages]` from
+    `query [r, kvh, group, d]` and the pages' elementwise key min/max `[kvh, pages, d]`."""
+    q = query[:, :, :, None, :]
+    return torch.maximum(q * key_min[None, :, None], q * key_max[None, :, None]).sum(-1).amax(dim=2)
+
+
+@dataclass
+class VerifyView:
+    """One layer of a verification pass, for the rows of one policy."""
+
+    probs: torch.Tensor  # [r, kvh, group, Q, N] exact probabilities of the block's queries; 0 at j >= block start
+    block_start: torch.Tensor  # [r] long, = the next cycle's recent_start; keys below it are old
+    budget: torch.Tensor  # [r] long, B of the next cycle (engine rule, clamped to block_start)
+
+    def pillar_scores(self, pool: str = "mean") -> torch.Tensor:
+        """PillarAttn's score `[r, kvh, N]`: mean (or `pool="max"`) over the block's queries and the GQA
+        group; -inf if not old."""
+        scores = self.probs.mean(dim=(2, 3)) if pool == "mean" else self.probs.amax(dim=(2, 3))
+        old = torch.arange(scores.shape[-1], device=scores.device)[None, :] < self.block_start[:, None]
+        return scores.masked_fill(~old[:, None, :], float("-inf"))
+
+
+@dataclass
+class DraftView:
+    """One layer of a draft step, for the rows of one policy."""
+
+    step: int  # draft step i in 0..k-1
+    position: torch.Tensor  # [r] long, t + step: this query's position
+    query: torch.Tensor  # [r, kvh, group, d]
+    logits: torch.Tensor  # [r, kvh, group, N] scaled q.k over the text keys; -inf at j >= t
+    draft_logits: torch.Tensor  # [r, kvh, group, i+1] over the cycle's own draft keys
+    old: torch.Tensor  # [r, N] bool, j < recent_start
+    recent: torch.Tensor  # [r, N] bool, recent_start <= j < t
+    budget: torch.Tensor  # [r] long
+    page_summaries: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # page_size -> ([kvh, pages, d] min, max)
+
+    def group_scores(self, allowed_old: torch.Tensor) -> torch.Tensor:
+        """Group-mean softmax probabilities `[r, kvh, N]` of this query when it attends `allowed_old`
+        (`[r, kvh, N]` bool) plus the recent window and its draft keys; -inf off `allowed_old`."""
+        allowed = allowed_old | self.recent[:, None, :]
+        logits = self.logits.masked_fill(~allowed[:, :, None, :], float("-inf"))
+        lse = torch.logsumexp(torch.cat([logits, self.draft_logits], dim=-1), dim=-1, keepdim=True)
+        scores = torch.exp(logits - lse).mean(dim=2)
+        return scores.masked_fill(~allowed_old, float("-inf"))
+
+
+class Policy:
+    """Base: a frozen selection made at each verification (`self.masks[layer]`), budget by the engine's rule."""
+
+    hindsight = False  # True: needs `probe` over the dense chain of each cycle before drafting
+
+    def __init__(self, name: str, min_budget: int, budget_ratio: float = 0.05, budget_scale: float = 1.0,
+                 pool: str = "mean"):  # fmt: skip
+        if pool not in ("mean", "max"):
+            raise ValueError(f"pool: expected 'mean' or 'max', got {pool!r}")
+        self.name, self.min_budget, self.budget_ratio, self.budget_scale = name, min_budget, budget_ratio, budget_scale
+        self.pool = pool
+        self.rows = slice(0, 0)
+        self.masks: list[torch.Tensor | None] = []
+
+    def bind(self, rows: slice, num_layers: int) -> None:
+        self.rows, self.masks = rows, [None] * num_layers
+
+    def budget(self, block_start: torch.Tensor, num_draft: int) -> torch.Tensor:
+        """B of the cycle a verification starting at `block_start [r]` opens (engine rule, then scaled)."""
+        context = (block_start + num_draft + 1).double()
+        base = torch.clamp(torch.ceil(self.budget_ratio * context), min=self.min_budget)
+        return torch.minimum(torch.round(base * self.budget_scale).long(), block_start)
+
+    def after_verify(self, layer: int, view: VerifyView) -> None:
+        self.masks[layer] = top_mask(view.pillar_scores(self.pool), view.budget[:, None])
+
+    def end_verify(self) -> None:
+        """Called after every layer's `after_verify` of one verification pass."""
+
+    def draft(self, layer: int, view: DraftView) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = self.masks[layer]
+        if mask is None:  # before the first verification: nothing is old yet
+            mask = torch.zeros_like(view.logits[:, :, 0], dtype=torch.bool)
+        return mask & view.old[:, None, :], torch.zeros(mask.shape[0], device=mask.device)
+
+    def describe(self) -> str:
+        return self.name
+
+
+class Dense(Policy):
+    """Every old key (a harness check: must accept all k drafts under greedy)."""
+
+    def after_verify(self, layer: int, view: VerifyView) -> None:
+        pass
+
+    def draft(self, layer, view):
+        mask = view.old[:, None, :].expand(-1, view.logits.shape[1], -1)
+        return mask, torch.zeros(mask.shape[0], device=mask.device)
+
+
+class Pillar(Policy):
+    """PillarAttn as the engine does it: top-B by the last verification's attention, frozen for the cycle."""
+
+
+class Streaming(Policy):
+    """First `num_sink` keys plus the newest keys before the recent window, the same in every layer/head."""
+
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, num_sink: int = 4, **common):
+        super().__init__(name, min_budget, budget_ratio, **common)
+        self.num_sink = num_sink
+
+    def after_verify(self, layer, view):
+        n = view.probs.shape[-1]
+        j = torch.arange(n, device=view.probs.device)[None, :]
+        sink = torch.clamp(view.budget, max=self.num_sink)
+        newest = (j >= (view.block_start - view.budget + sink)[:, None]) & (j < view.block_start[:, None])
+        self.masks[layer] = ((j < sink[:, None]) | newest)[:, None, :].expand(-1, view.probs.shape[1], -1)
+
+
+class OracleStep(Policy):
+    """Per-step oracle: top-B by this draft query's own exact attention (group mean), at every step and layer."""
+
+    def after_verify(self, layer, view):
+        pass
+
+    def draft(self, layer, view):
+        old = view.old[:, None, :].expand(-1, view.logits.shape[1], -1)
+        mask = top_mask(view.group_scores(old), view.budget[:, None])
+        return mask, torch.zeros(mask.shape[0], device=mask.device)
+
+
+class OracleFirst(OracleStep):
+    """The prototype's `oracle_first`: the per-step oracle's set at draft step 0, frozen for the cycle."""
+
+    def draft(self, layer, view):
+        if view.step == 0:
+            self.masks[layer], extra = super().draft(layer, view)
+        return self.masks[layer], torch.zeros(view.logits.shape[0], device=view.logits.device)
+
+
+class OracleFrozen(Policy):
+    """Best frozen set with hindsight: top-B by the summed own attention of the cycle's k dense-chain
+    draft queries (the greedy continuation the drafts must reproduce), chosen before drafting."""
+
+    hindsight = True
+
+    def after_verify(self, layer, view):
+        pass
+
+    def probe(self, layer: int, view: DraftView) -> None:
+        old = view.old[:, None, :].expand(-1, view.logits.shape[1], -1)
+        scores = view.group_scores(old).clamp_min(0.0)
+        self.masks[layer] = scores if view.step == 0 else self.masks[layer] + scores
+
+    def end_probe(self, budget: torch.Tensor, old: torch.Tensor) -> None:
+        for layer, scores in enumerate(self.masks):
+            self.masks[layer] = top_mask(scores.masked_fill(~old[:, None, :], float("-inf")), budget[:, None])
+
+
+class Quest(Policy):
+    """PillarAttn's frozen set plus, at every draft step, the `extra * B` keys of the best whole pages by
+    Quest's bound `sum_d max(q_d min_d, q_d max_d)` (max over the GQA group), from per-page key
+    min/max summaries of the old pages. Reads every old page's two summary vectors per step.
+    With `with_pillar=False`: pages only, `B` keys' worth of them (Quest itself)."""
+
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, extra: float = 0.25, page_size: int = 16,
+                 with_pillar: bool = True, **common):  # fmt: skip
+        super().__init__(name, min_budget, budget_ratio, **common)
+        self.extra, self.page_size, self.with_pillar = extra, page_size, with_pillar
+
+    def draft(self, layer, view):
+        base, _ = super().draft(layer, view) if self.with_pillar else (None, None)
+        bound = quest_bound(view.query, *view.page_summaries(self.page_size))
+        num_pages = bound.shape[-1]
+        full_pages = torch.div(view.old.sum(-1), self.page_size, rounding_mode="floor")  # [r] pages wholly old
+        page_ok = torch.arange(num_pages, device=bound.device)[None, :] < full_pages[:, None]
+        fraction = self.extra if self.with_pillar else 1.0
+        pick = torch.minimum(torch.ceil(fraction * view.budget / self.page_size).long(), full_pages)
+        pages = top_mask(bound.masked_fill(~page_ok[:, None, :], float("-inf")), pick[:, None])
+        mask = pages.repeat_interleave(self.page_size, dim=-1)[..., : view.logits.shape[-1]]
+        if mask.shape[-1] < view.logits.shape[-1]:
+            mask = torch.nn.functional.pad(mask, (0, view.logits.shape[-1] - mask.shape[-1]))
+        if base is not None:
+            mask = mask | base
+        summary_reads = 2.0 * full_pages.float() * view.logits.shape[1]  # min and max vectors, every KV head
+        return mask & view.old[:, None, :], summary_reads
+
+    def describe(self):
+        return f"{self.name} (page {self.page_size}, +{self.extra:g}B)" if self.with_pillar else self.name
+
+
+def diagonal_offsets(view: VerifyView, top: int) -> torch.Tensor:
+    """`j - p` for the top-`top` keys j of every block query p (every head of the group): `[r, kvh, m]`."""
+    r, kvh, _, q, _ = view.probs.shape
+    keys = view.probs.topk(top, dim=-1).indices  # [r, kvh, g, Q, top]
+    position = view.block_start[:, None, None, None, None] + torch.arange(q, device=keys.device)[:, None]
+    return (keys - position).reshape(r, kvh, -1)
+
+
+def moved_keys(offsets: torch.Tensor, position: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Mask `[r, kvh, N]` of the keys `position + offset` (those inside 0..N-1)."""
+    target = position[:, None, None] + offsets
+    valid = (target >= 0) & (target < num_keys)
+    mask = torch.zeros(*offsets.shape[:2], num_keys, dtype=torch.bool, device=offsets.device)
+    return mask.scatter_(-1, target.clamp(0, num_keys - 1), valid)
+
+
+class Rerank(Policy):
+    """At verification, the top `c * B` keys by PillarAttn's score become candidates (plus, with
+    `diagonal=m`, the moved keys of `Diagonal` at each step); every draft step re-ranks the candidates
+    by its own attention over them (exact q.k: reads the candidates' K) and attends the best B (reads V
+    of those). Extra reads: K of the candidates not attended."""
+
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, candidates: float = 1.5, diagonal: int = 0, **common):
+        super().__init__(name, min_budget, budget_ratio, **common)
+        self.candidates, self.diagonal = candidates, diagonal
+        self.offsets: list[torch.Tensor | None] = []
+
+    def bind(self, rows, num_layers):
+        super().bind(rows, num_layers)
+        self.offsets = [None] * num_layers
+
+    def after_verify(self, layer, view):
+        size = torch.minimum(torch.round(self.candidates * view.budget).long(), view.block_start)
+        self.masks[layer] = top_mask(view.pillar_scores(self.pool), size[:, None])
+        if self.diagonal:
+            self.offsets[layer] = diagonal_offsets(view, self.diagonal)
+
+    def draft(self, layer, view):
+        cand = self.masks[layer]
+        if cand is None:
+            cand = torch.zeros_like(view.logits[:, :, 0], dtype=torch.bool)
+        if self.offsets[layer] is not None:
+            cand = cand | moved_keys(self.offsets[layer], view.position, cand.shape[-1])
+        cand = cand & view.old[:, None, :]
+        mask = top_mask(view.group_scores(cand), view.budget[:, None])
+        extra = (cand.sum(-1) - mask.sum(-1)).sum(-1).float()  # K of the candidates left out, over KV heads
+        return mask, extra
+
+    def describe(self):
+        return f"{self.name} (c={self.candidates:g}, diagonal top {self.diagonal}, {self.pool})"
+
+
+class SharedBudget(Policy):
+    """PillarAttn with the budget of a cycle shared across all layers and KV heads (same total L*kvh*B):
+    `mode="mass"` keeps the globally best (head, key) pairs by PillarAttn's score (each head's scores
+    are a probability mass, so this covers the most verified attention); `mode="entropy"` gives each head
+    a budget proportional to exp(entropy) of its scores. Each head keeps at least `floor * B` keys and
+    at most `cap * B` (the width of a fixed selected-index store)."""
+
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, mode: str = "mass", floor: float = 0.25,
+                 cap: float = 4.0, **common):  # fmt: skip
+        super().__init__(name, min_budget, budget_ratio, **common)
+        if mode not in ("mass", "entropy"):
+            raise ValueError(f"mode: expected 'mass' or 'entropy', got {mode!r}")
+        self.mode, self.floor, self.cap = mode, floor, cap
+        self.scores: list[torch.Tensor] = []
+        self.next_budget: torch.Tensor | None = None
+
+    def after_verify(self, layer, view):
+        if layer == 0:
+            self.scores = []
+        self.scores.append(view.pillar_scores(self.pool))
+        self.next_budget = view.budget
+
+    def end_verify(self):
+        scores = torch.stack(self.scores, dim=1)  # [r, L, kvh, N]
+        r, num_layers, kvh, n = scores.shape
+        budget = self.next_budget
+        available = torch.isfinite(scores).sum(-1)  # [r, L, kvh]
+        low = torch.minimum(torch.ceil(self.floor * budget.double()).long()[:, None, None], available)
+        high = torch.minimum(torch.ceil(self.cap * budget.double()).long()[:, None, None], available)
+        total = (budget * num_layers * kvh)[:, None, None]
+        if self.mode == "entropy":
+            p = scores.clamp_min(0.0)
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+            entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+            weight = torch.exp(entropy)
+            share = total * weight / weight.sum(dim=(1, 2), keepdim=True)
+            for _ in range(4):  # water-filling: what the caps cut goes to the heads below their cap
+                share = torch.minimum(torch.maximum(share, low), high)
+                open_weight = weight * (share < high)
+                left = (total - share.sum(dim=(1, 2), keepdim=True)).clamp_min(0)
+                share = share + left * open_weight / open_weight.sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
+            per_head = torch.minimum(torch.maximum(torch.round(share).long(), low), high)
+            mask = top_mask(scores, per_head)
+        else:
+            floor_mask = top_mask(scores, low)
+            rank_in_head = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+            eligible = torch.isfinite(scores) & ~floor_mask & (rank_in_head < high[..., None])
+            rest = (total[:, 0, 0] - low.sum(dim=(1, 2))).clamp_min(0)
+            flat = scores.masked_fill(~eligible, float("-inf")).reshape(r, -1)
+            mask = floor_mask | top_mask(flat, rest).view(r, num_layers, kvh, n)
+        self.masks = list(mask.unbind(dim=1))
+
+    def describe(self):
+        return f"{self.name} ({self.mode}, floor {self.floor:g}B, cap {self.cap:g}B)"
+
+
+class Diagonal(Policy):
+    """PillarAttn plus, at draft step i, the keys the verification's queries attended *moved along the
+    diagonal*: for each block query at position p with top-`top` keys j, the key `(t + i) + (j - p)`.
+    Copy and induction heads attend a key that advances with the query; a frozen set points one cycle
+    behind them. No extra reads besides the added keys (offsets come from the verification)."""
+
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 1, **common):
+        super().__init__(name, min_budget, budget_ratio, **common)
+        self.top = top
+        self.offsets: list[torch.Tensor | None] = []
+
+    def bind(self, rows, num_layers):
+        super().bind(rows, num_layers)
+        self.offsets = [None] * num_layers
+
+    def after_verify(self, layer, view):
+        super().after_verify(layer, view)
+        self.offsets[layer] = diagonal_offsets(view, self.top)
+
+    def draft(self, layer, view):
+        base, extra = super().draft(layer, view)
+        if self.offsets[layer] is None:
+            return base, extra
+        moved = moved_keys(self.offsets[layer], view.position, base.shape[-1])
+        return (base | moved) & view.old[:, None, :], extra
+
+    def describe(self):
+        return f"{self.name} (top {self.top})"
+
+
+POLICIES = {
+    "dense": Dense, "pillar": Pillar, "streaming": Streaming, "oracle_step": OracleStep,
+    "oracle_first": OracleFirst, "oracle_frozen": OracleFrozen, "quest": Quest, "rerank": Rerank,
+    "shared": SharedBudget, "diagonal": Diagonal,
+}  # fmt: skip
+
+
+def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Policy:
+    """`kind[:key=value,...]`, e.g. `pillar`, `pillar:budget_scale=1.3`, `rerank:candidates=2`,
+    `quest:extra=0.25,page_size=16`, `shared:mode=entropy`, `quest:with_pillar=0`."""
+    kind, _, options = spec.partition(":")
+    if kind not in POLICIES:
+        raise ValueError(f"policy: expected one of {sorted(POLICIES)}, got {kind!r}")
+    kwargs: dict = {}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        if key in ("mode", "pool"):
+            kwargs[key] = value
+        elif key in ("page_size", "top", "num_sink", "diagonal"):
+            kwargs[key] = int(value)
+        elif key == "with_pillar":
+            kwargs[key] = value not in ("0", "false", "False")
+        else:
+            kwargs[key] = float(value)
+    name = spec if spec else kind
+    policy = POLICIES[kind](name, min_budget, budget_ratio, **kwargs)
+    if not math.isfinite(policy.budget_scale) or policy.budget_scale <= 0:
+        raise ValueError(f"budget_scale: expected > 0, got {policy.budget_scale}")
+    return policy

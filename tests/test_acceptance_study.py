@@ -1,0 +1,124 @@
+"""The acceptance study tool (benchmarks/acceptance_study.py) on a tiny random Llama, in seconds.
+
+Invariants of the harness, not of any model: the study attention's prefill equals sdpa; dense drafting
+accepts every draft; a budget covering every old key makes each policy dense; PillarAttn and streaming
+attend exactly B old keys per (layer, KV head) and the byte count follows; Quest's bound bounds q.k.
+No ordering of policies (per-step oracle >= frozen oracle >= PillarAttn) holds cycle by cycle under
+greedy acceptance, so none is asserted. A mutated harness (drafts blind to their own keys) must fail
+the dense check, which shows that check can fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from study_harness import Study  # noqa: E402
+from study_policies import make_policy, quest_bound, top_mask  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from hf_sparsespec import SparseSpecConfig  # noqa: E402
+
+K = 8
+SPECS = ["dense", "pillar", "streaming", "oracle_step", "oracle_first", "oracle_frozen", "quest:page_size=4",
+         "rerank:candidates=2", "shared:mode=mass", "shared:mode=entropy", "diagonal"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def run(model, tokens, specs, min_budget, study_class=Study, cycles=4):
+    study = study_class(model, [make_policy(s, min_budget) for s in specs], num_draft=K)
+    return study, study.run_text(tokens, [40, 97], cycles)
+
+
+def test_prefill_matches_sdpa(model, tokens):
+    study = Study(model, [make_policy("dense", 8)], num_draft=K)
+    ids = torch.tensor(tokens)
+    ours = study.prefill(ids, all_logits=True)
+    model.set_attn_implementation("sdpa")
+    try:
+        reference = model(ids[None]).logits[0]
+    finally:
+        model.set_attn_implementation("acc_study")
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_accepts_everything_and_sparse_does_not(model, tokens):
+    _, records = run(model, tokens, SPECS, min_budget=8)
+    assert {r["accepted"] for r in records if r["policy"] == "dense"} == {K}
+    assert len(records) == len(SPECS) * 2 * 4
+    sparse = [r["accepted"] for r in records if r["policy"] == "pillar"]
+    assert min(sparse) < K  # a random model is sensitive to sparsity: the checks below are not vacuous
+
+
+def test_full_budget_makes_every_policy_dense(model, tokens):
+    _, records = run(model, tokens, SPECS, min_budget=10_000)
+    for r in records:
+        assert r["accepted"] == K, r
+        assert r["old_keys_per_head"] == r["recent_start"], r  # every old key, each (layer, KV head)
+
+
+def test_pillar_and_streaming_attend_exactly_the_budget(model, tokens):
+    study, records = run(model, tokens, ["pillar", "streaming"], min_budget=8)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    units = config.num_hidden_layers * config.num_key_value_heads
+    for r in records:
+        engine_budget = SparseSpecConfig(min_budget=8).budget(r["recent_start"] + K + 1)  # the engine's rule
+        assert r["budget"] == min(r["recent_start"], engine_budget)
+        assert r["old_keys_per_head"] == r["budget"]
+        window = r["t"] - r["recent_start"] + (K + 1) / 2  # recent text keys + the mean draft keys of a step
+        expected = 2 * units * (r["budget"] + window) * head_dim * study.kv_bytes
+        assert r["bytes_per_step"] == pytest.approx(expected, rel=1e-6)
+
+
+class BlindDrafts(Study):
+    """A mutation: draft steps do not see the cycle's own draft keys (a bug the dense check must catch)."""
+
+    def _draft_attention(self, layer, query, key, value, scale):
+        self.draft_k[layer].zero_()
+        self.draft_v[layer].zero_()
+        return super()._draft_attention(layer, query, torch.zeros_like(key), torch.zeros_like(value), scale)
+
+
+def test_a_broken_harness_fails_the_dense_check(model, tokens):
+    _, records = run(model, tokens, ["dense"], min_budget=8, study_class=BlindDrafts)
+    assert min(r["accepted"] for r in records) < K
+
+
+def test_top_mask_and_quest_bound():
+    scores = torch.tensor([[[0.1, 0.5, float("-inf"), 0.3, 0.5]]])
+    assert top_mask(scores, torch.tensor([[2]])).tolist() == [[[False, True, False, False, True]]]
+    assert top_mask(scores, torch.tensor([[9]])).sum() == 4  # never a -inf entry
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 2, 4, 16, generator=generator)
+    keys = torch.randn(2, 40, 16, generator=generator)
+    pages = keys.view(2, 10, 4, 16)
+    bound = quest_bound(query, pages.amin(2), pages.amax(2))
+    exact = torch.einsum("rhgd,hnd->rhgn", query, keys).view(3, 2, 4, 10, 4).amax(-1).amax(2)
+    assert (bound >= exact - 1e-5).all()
+
+
+def test_policy_specs():
+    assert make_policy("rerank:candidates=1.5", 64).candidates == 1.5
+    assert make_policy("quest:with_pillar=0,page_size=8", 64).page_size == 8
+    budget = make_policy("pillar:budget_scale=2", 64).budget(torch.tensor([10, 1000, 5000]), K)
+    assert budget.tolist() == [10, 128, 502]
+    with pytest.raises(ValueError, match="expected one of"):
+        make_policy("nope", 64)
