@@ -5,7 +5,8 @@ Two recipes (the prototype studies' texts, ../shared/reference/acceptance-protot
   repetition penalty (SmolLM2's plain samples fall into verbatim loops, which inflate acceptance);
 - multi-turn (`turns=True`): whenever the model ends its turn (or reaches `turn_cap` tokens, then the
   end-of-turn token is forced), the next mmath problem is appended as a user turn, teacher-forced,
-  until `max_new` tokens were generated; realistic long contexts for models that answer in < 1.5K tokens.
+  until the text holds `max_new` tokens after the prompt (sampled and forced); realistic long contexts
+  for models that answer in < 1.5K tokens.
 
 Each text records the spans the model did not sample (prompt, forced user turns): episodes are placed
 only where every token the drafts are checked against was sampled.
@@ -119,6 +120,8 @@ def generate_texts(model, tokenizer, count: int, max_new: int, min_new: int = 0,
                     text["tokens"].append(end_of_turn)
                 user = template(pool[next_problem % len(pool)], False)
                 next_problem += 1
+                if max_new - (len(text["tokens"]) - text["prompt_len"]) <= len(user):
+                    continue  # no room for another turn
                 text["forced"].append([len(text["tokens"]), len(text["tokens"]) + len(user)])
                 text["tokens"] += user
                 text["turns"] += 1
