@@ -8,7 +8,8 @@ Protocol, vocabulary and byte accounting: `study_harness.py`; the policies: `stu
 (`--policies` takes `kind[:key=value,...]` specs, e.g. `rerank:candidates=1.5`); the texts:
 `study_traces.py` (sampled once per recipe and cached in `--texts-file`). The model runs unmodified
 (fp32 by default: argmax near-ties make bf16 acceptance noisy). Prints a table last and writes
-`results.json` (summary + every cycle) and `acceptance.png` to `--out`.
+`results.json` (run info + one summary row per policy), `cycles.json.gz` (every counted cycle, columnar)
+and `acceptance.png` to `--out`.
 
 Defaults: SmolLM2-135M-Instruct (embedded), single-turn mmath texts sampled at T=0.6 with a windowed
 repetition penalty, k=8, budget_ratio 0.05. `--gguf` loads another model (e.g. Qwen2.5-Coder-1.5B);
@@ -18,6 +19,7 @@ repetition penalty, k=8, budget_ratio 0.05. `--gguf` loads another model (e.g. Q
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import platform
@@ -110,6 +112,8 @@ def table(rows: list[dict], k: int) -> str:
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         ratio = f"{r['bytes_vs_pillar']:.2f}x" if r["bytes_vs_pillar"] is not None else "-"
+        if r["policy"].startswith("oracle"):
+            ratio = "(bound)"  # chooses from the exact attention over every old key: its K would be read too
         fresh = f"{r['accepted_non_loop']:.2f}" if r["accepted_non_loop"] is not None else "-"
         lines.append(f"| {r['policy']} | {r['min_budget']} | {r['accepted']:.2f} ± {r['se']:.2f} | {r['rate']:.2f} | "
                      f"{r['budget']:.0f} | {r['old_keys_per_head']:.0f} | {r['bytes_per_step'] / 1024:.0f} | {ratio} | "
@@ -141,11 +145,15 @@ def plot(rows: list[dict], path: Path, k: int) -> None:
     left.set_ylabel(f"mean accepted drafts per cycle (of {k})")
     left.set_title("acceptance vs draft bytes (dotted: oracles)")
     mb = budgets[0]
-    for r in (r for r in rows if r["min_budget"] == mb and r["policy"] != "dense"):
+    shown = [r for r in rows if r["min_budget"] == mb and r["policy"] != "dense"]
+    for index, r in enumerate(shown):
         keys = list(r["by_context"])
-        right.plot(range(len(keys)), [r["by_context"][b]["accepted"] for b in keys], marker="o", label=r["policy"])
+        style = dict(ls="--", marker="s") if r["policy"] in ORACLES else dict(ls="-", marker="o")
+        right.plot(range(len(keys)), [r["by_context"][b]["accepted"] for b in keys], label=r["policy"],
+                   color=plt.cm.tab20(index % 20), ms=4, **style)  # fmt: skip
         right.set_xticks(range(len(keys)), keys, fontsize=7)
     right.set_xlabel("context length t at the cycle start")
+    right.set_ylabel("mean accepted drafts per cycle")
     right.set_title(f"by context length (min_budget {mb})")
     right.legend(fontsize=6)
     fig.tight_layout()
@@ -175,10 +183,18 @@ def main() -> None:
     parser.add_argument("--turns", action="store_true", help="multi-turn texts (next problem on each end of turn)")
     parser.add_argument("--turn-cap", type=int, default=1400)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--texts-only", action="store_true", help="make (or check) the texts file and stop")
     parser.add_argument("--bins", default="500,1000,1500")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("out/study"))
+    parser.add_argument("--replot", type=Path, default=None, help="a results.json: redraw its plot into --out, print its table")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(saved["summary"], args.out / "acceptance.png", saved["info"]["k"])
+        print(table(saved["summary"], saved["info"]["k"]))
+        return
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -187,6 +203,12 @@ def main() -> None:
     model, tokenizer = load_model(args)
     texts = get_texts(args, model, tokenizer)
     text_seconds = time.perf_counter() - start
+    if args.texts_only:
+        for t in texts:
+            new = t["tokens"][t["prompt_len"] :]
+            print(f"{len(t['tokens'])} tokens, {t.get('turns', 1)} turns, distinct-4 {distinct_ngrams(new):.2f}")
+        print(f"texts in {args.texts_file} ({text_seconds:.0f} s)")
+        return
     separator = ";" if ";" in args.policies else ","
     specs = [s for s in args.policies.split(separator) if s]
     budgets = [int(b) for b in args.min_budgets.split(",")]
@@ -218,7 +240,11 @@ def main() -> None:
         "policies": {p.name: p.describe() for p in policies},
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"info": info, "summary": rows, "cycles": records}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"info": info, "summary": rows}, indent=1))
+    columns = list(records[0]) if records else []
+    rounded = [[round(r[c], 3) if isinstance(r[c], float) else r[c] for c in columns] for r in records]
+    with gzip.open(args.out / "cycles.json.gz", "wt") as f:
+        json.dump({"columns": columns, "rows": rounded}, f, separators=(",", ":"))
     plot(rows, args.out / "acceptance.png", args.k)
     print(json.dumps({k: v for k, v in info.items() if k != "policies"}))
     print(table(rows, args.k))

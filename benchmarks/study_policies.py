@@ -231,10 +231,12 @@ class Quest(Policy):
         return f"{self.name} (page {self.page_size}, +{self.extra:g}B)" if self.with_pillar else self.name
 
 
-def diagonal_offsets(view: VerifyView, top: int) -> torch.Tensor:
-    """`j - p` for the top-`top` keys j of every block query p (every head of the group): `[r, kvh, m]`."""
+def diagonal_offsets(view: VerifyView, top: int, per_head: bool = True) -> torch.Tensor:
+    """`j - p` for the top-`top` keys j of every block query p: of every head of the GQA group, or of the
+    group's mean (`per_head=False`, g times fewer offsets): `[r, kvh, m]`."""
     r, kvh, _, q, _ = view.probs.shape
-    keys = view.probs.topk(top, dim=-1).indices  # [r, kvh, g, Q, top]
+    probs = view.probs if per_head else view.probs.mean(dim=2, keepdim=True)
+    keys = probs.topk(top, dim=-1).indices  # [r, kvh, g or 1, Q, top]
     position = view.block_start[:, None, None, None, None] + torch.arange(q, device=keys.device)[:, None]
     return (keys - position).reshape(r, kvh, -1)
 
@@ -345,9 +347,9 @@ class Diagonal(Policy):
     Copy and induction heads attend a key that advances with the query; a frozen set points one cycle
     behind them. No extra reads besides the added keys (offsets come from the verification)."""
 
-    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 1, **common):
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 1, per_head: bool = True, **common):
         super().__init__(name, min_budget, budget_ratio, **common)
-        self.top = top
+        self.top, self.per_head = top, per_head
         self.offsets: list[torch.Tensor | None] = []
 
     def bind(self, rows, num_layers):
@@ -356,7 +358,7 @@ class Diagonal(Policy):
 
     def after_verify(self, layer, view):
         super().after_verify(layer, view)
-        self.offsets[layer] = diagonal_offsets(view, self.top)
+        self.offsets[layer] = diagonal_offsets(view, self.top, self.per_head)
 
     def draft(self, layer, view):
         base, extra = super().draft(layer, view)
@@ -366,7 +368,7 @@ class Diagonal(Policy):
         return (base | moved) & view.old[:, None, :], extra
 
     def describe(self):
-        return f"{self.name} (top {self.top})"
+        return f"{self.name} (top {self.top} per {'head' if self.per_head else 'group mean'})"
 
 
 POLICIES = {
@@ -389,7 +391,7 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
             kwargs[key] = value
         elif key in ("page_size", "top", "num_sink", "diagonal"):
             kwargs[key] = int(value)
-        elif key == "with_pillar":
+        elif key in ("with_pillar", "per_head"):
             kwargs[key] = value not in ("0", "false", "False")
         else:
             kwargs[key] = float(value)

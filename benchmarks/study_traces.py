@@ -135,14 +135,15 @@ def generate_texts(model, tokenizer, count: int, max_new: int, min_new: int = 0,
 
 
 def load_or_generate(path: Path, model, tokenizer, count: int, **recipe) -> list[dict]:
-    """The cached texts at `path` if they were made by the same recipe for at least `count` prompts."""
+    """The first `count` texts cached at `path`, or new ones (then cached there). A cache made by another
+    recipe, or holding fewer texts, is an error (regenerating silently could take many minutes)."""
     path = Path(path)
     if path.is_file():
         texts = json.loads(path.read_text())
-        if len(texts) >= count and all(t["recipe"] == texts[0]["recipe"] for t in texts):
-            wanted = {**texts[0]["recipe"], **recipe}
-            if wanted == texts[0]["recipe"]:
-                return texts[:count]
+        if len(texts) < count or any(t["recipe"] != recipe for t in texts):
+            raise ValueError(f"{path} holds {len(texts)} texts made with {texts[0]['recipe']}; expected >= {count} "
+                             f"made with {recipe}: pass the same recipe, or another --texts-file")  # fmt: skip
+        return texts[:count]
     texts = generate_texts(model, tokenizer, count, **recipe)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(texts))

@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from acceptance_study import summarize  # noqa: E402
 from study_harness import Study  # noqa: E402
-from study_policies import make_policy, quest_bound, top_mask  # noqa: E402
+from study_policies import make_policy, moved_keys, quest_bound, top_mask  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_sparsespec import SparseSpecConfig  # noqa: E402
@@ -122,3 +123,24 @@ def test_policy_specs():
     assert budget.tolist() == [10, 128, 502]
     with pytest.raises(ValueError, match="expected one of"):
         make_policy("nope", 64)
+
+
+def test_moved_keys_follow_the_diagonal():
+    offsets = torch.tensor([[[-5, -1, -300]]])  # one row, one KV head
+    mask = moved_keys(offsets, torch.tensor([10]), num_keys=12)
+    assert mask.nonzero()[:, -1].tolist() == [5, 9]  # 10 - 300 is outside the text
+
+
+def test_summary_rows():
+    records = [
+        {"policy": p, "min_budget": 64, "text": 0, "episode": e, "t": t, "budget": 64, "accepted": a,
+         "bytes_per_step": b, "old_keys_per_head": 64.0, "local_distinct4": 0.9}
+        for p, b, accepted in (("pillar", 100.0, (2, 4)), ("diagonal", 115.0, (6, 8)))
+        for e, a in enumerate(accepted)
+        for t in (100, 900)
+    ]  # fmt: skip
+    rows = {r["policy"]: r for r in summarize(records, K, [500])}
+    assert rows["pillar"]["accepted"] == 3 and rows["pillar"]["se"] == pytest.approx(1.0)
+    assert rows["diagonal"]["bytes_vs_pillar"] == pytest.approx(1.15)
+    assert rows["diagonal"]["by_context"]["0-500"]["cycles"] == 2
+    assert rows["pillar"]["histogram"][2] == 0.5
