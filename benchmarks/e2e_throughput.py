@@ -126,10 +126,15 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
     engine.runner.time_iterations = model.device.type == "cuda"
     ideal = IdealCounter(model)
     original = engine.runner.run
+    launches = []  # per iteration: (host seconds since the start at its launch, replayed, tokens)
 
     def run(batch):
         ideal.observe(batch, pillar)
-        return original(batch)
+        replays = engine.runner.counters.graph_replays
+        pending = original(batch)
+        replayed = engine.runner.counters.graph_replays > replays
+        launches.append((time.perf_counter() - start, replayed, int(batch.arrays["query_start"][len(batch.rows)])))
+        return pending
 
     engine.runner.run = run
     sync(model)
@@ -144,7 +149,13 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
     stats = hf_sparsespec.SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in job.requests])
     tokens = sum(len(r.generated) for r in job.requests)
     decode = slice(len(gpu_ms) // 10, None)  # steady state: past the prefill iterations
+    first_replay = next((i for i, (_, replayed, _) in enumerate(launches) if replayed), len(launches))
     return {
+        "seconds_to_first_replay": launches[first_replay][0] if first_replay < len(launches) else seconds,
+        "iterations_before_first_replay": first_replay,
+        "first_iterations": [  # where the start-up time goes: (launch s, device ms, replayed, tokens)
+            (round(t, 4), round(ms, 3), replayed, tokens) for (t, replayed, tokens), ms in zip(launches[:64], gpu_ms)
+        ],
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": iterations,
         "wall_ms_per_iter": 1000 * seconds / iterations, "gpu_ms_per_iter": float(np.mean(gpu_ms)),
         "gpu_ms_per_iter_decode": float(np.mean(gpu_ms[decode])), "ideal_ms_per_iter": 1000 * float(np.mean(ideal.seconds)),
@@ -214,6 +225,8 @@ def main() -> None:
     parser.add_argument("--stop", choices=["forced", "eos"], default="forced",
                         help="forced: min_new_tokens = new tokens; eos: outputs end at eos (reasoning lengths)")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (outputs comparable across runs)")
+    parser.add_argument("--no-warm", dest="warm", action="store_false",
+                        help="time our runs cold (by default each runs once on the same prompts, 48 tokens, first)")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -240,9 +253,10 @@ def main() -> None:
         "transformers": transformers.__version__, "args": {k: str(v) for k, v in vars(args).items()},
     }, "runs": {}}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    warm = SparseSpecConfig(min_budget=args.min_budget)  # Triton compiles once per process, outside the timings
-    hf_sparsespec.generate_batch(model, prompts[:8], GenerationConfig(**{**settings, "max_new_tokens": 24,
-                                                                          "min_new_tokens": 24}), warm)  # fmt: skip
+    if not args.warm:  # Triton compiles once per process, outside the timings
+        warm = SparseSpecConfig(min_budget=args.min_budget)
+        short = GenerationConfig(**{**settings, "max_new_tokens": 24, "min_new_tokens": 24})
+        hf_sparsespec.generate_batch(model, prompts[:8], short, warm)
     policies = args.kv_policy.split(",")
     outputs = {}  # run label -> generated ids of every request (compared across policies, not written)
     for run, policy in [(run, policy) for run in args.runs.split(",") for policy in policies]:
@@ -259,11 +273,12 @@ def main() -> None:
                 pages = args.num_pages
                 pages = pool_for_a_fraction(model, prompts, n, 1 / 3, config) if pages == "third" else int(pages)
                 config = dataclasses.replace(config, num_pages=pages)
-            if config.compile_forward:  # compile outside the timing (dynamo reuses it for the same model)
+            if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
+                # dynamo's compilation with compile_forward); graphs are per call and are captured again
                 started = time.perf_counter()
                 short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
                 hf_sparsespec.generate_batch(model, prompts, short, config)
-                print(f"{run}: warm-up with compilation {time.perf_counter() - started:.0f} s", flush=True)
+                print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
             result = run_ours(model, prompts, gen_config, config, pillar=config.selection == "pillar")
             outputs[label] = result.pop("outputs")
             first = f"{run}+{policies[0]}"
@@ -284,8 +299,8 @@ def main() -> None:
           f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
           f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
-          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | s to first replay |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ratio(x, base):
         return f"{x / base:.2f}x" if base else "-"
@@ -302,7 +317,7 @@ def main() -> None:
         print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
               f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
               f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
-              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} |")  # fmt: skip
+              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} | {num(r, 'seconds_to_first_replay', '.1f')} |")  # fmt: skip
 
     kv_runs = {run: r for run, r in runs.items() if "kv" in r}
     if kv_runs:

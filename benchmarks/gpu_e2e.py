@@ -35,20 +35,24 @@ def sync() -> None:
 
 
 def first_divergence(model, reference, other, mask):
-    """Per row: (index of first differing generated token or None, top-2 gap of plain decoding there)."""
+    """Per row: (index of the first differing generated token or None, top-2 gap there, and which side a
+    one-pass forward of the unpadded common prefix picks: "reference", "other" or "neither"; it judges
+    an incremental decode that drifted, e.g. plain decoding's own left-padded batch)."""
     out = []
     width = mask.shape[1]
     for row in range(reference.shape[0]):
         a, b = reference[row, width:].tolist(), other[row, width:].tolist()
         index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        gap = None
+        gap = side = None
         if index is not None:
             num_pad = int((mask[row] == 0).sum())
             prefix = reference[row : row + 1, num_pad : width + index]
             with torch.no_grad():
-                top2 = model(input_ids=prefix).logits[0, -1].float().topk(2).values
-            gap = float(top2[0] - top2[1])
-        out.append((index, gap))
+                top2 = model(input_ids=prefix).logits[0, -1].float().topk(2)
+            gap = float(top2.values[0] - top2.values[1])
+            best = int(top2.indices[0])
+            side = "reference" if best == a[index] else "other" if best == b[index] else "neither"
+        out.append((index, gap, side))
     return out
 
 
@@ -56,14 +60,14 @@ def phase_exact(model, tokenizer, args, report):
     prompts = reasoning_prompts(tokenizer, args.exact_prompts)
     ids, mask = left_pad(prompts, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, args.device)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, name) for name in args.exact_dtypes.split(",")]:
         m = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
         settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=args.exact_tokens, do_sample=False)
         plain = m.generate(**settings)
         outs = {}
         backends = args.backends.split(",")
         for backend in backends:
-            config = SparseSpecConfig(min_budget=args.min_budget, backend=backend)
+            config = SparseSpecConfig(min_budget=args.min_budget, backend=backend, cuda_graphs=args.graphs == "on")
             sync()
             start = time.perf_counter()
             outs[backend] = m.generate(
@@ -93,11 +97,12 @@ def phase_exact(model, tokenizer, args, report):
             del m
             sync()
     report["exact"] = rows
-    print("\n| dtype | comparison | rows identical | divergences (generated index, top-2 gap of plain decoding) |")
+    print(f"\ngraphs {args.graphs}")
+    print("| dtype | comparison | rows identical | divergences (generated index, top-2 gap of a one-pass forward) |")
     print("|---|---|---|---|")
     for row in rows:
         if "identical_rows" in row:
-            div = ", ".join(f"({i}, {g:.3g})" for i, g in row["divergences"]) or "-"
+            div = ", ".join(f"({i}, {g:.3g}, one-pass forward picks {side})" for i, g, side in row["divergences"]) or "-"
             print(f"| {row['dtype']} | {row['pair']} | {row['identical_rows']}/{row['rows']} | {div} |")
     print("\n| dtype | backend | mean accepted/cycle | acceptance rate | cycles | seconds |")
     print("|---|---|---|---|---|---|")
@@ -157,6 +162,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backends", default="torch,triton")
+    parser.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs of our engine")
+    parser.add_argument("--exact-dtypes", default="float32,bfloat16")
     args = parser.parse_args()
 
     start = time.perf_counter()
