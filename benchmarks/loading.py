@@ -65,3 +65,29 @@ def add_model_arguments(parser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", type=Path)
     source.add_argument("--random", choices=sorted(RANDOM_SHAPES))
+
+
+def main() -> None:
+    """`python benchmarks/loading.py --gguf PATH [--dtype bfloat16] [--export DIR]`: dequantize once (fills
+    the state-dict cache) and optionally write a plain transformers folder (`from_pretrained(DIR)`), for
+    tools that take a model folder, such as `python -m hf_sparsespec.eval --model DIR`."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--gguf", type=Path, required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--export", type=Path, default=None)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    model, tokenizer = load_gguf(args.gguf, getattr(torch, args.dtype), "cpu")
+    print(f"loaded {args.gguf.name} in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.export is not None:
+        model.save_pretrained(args.export)
+        model.generation_config.save_pretrained(args.export)
+        tokenizer.save_pretrained(args.export)
+        print(f"wrote {args.export}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -124,7 +124,10 @@ class KVManager:
         if self._away:
             return False  # FCFS: requests on the host come back before new ones start
         needed = self.allocator.pages_for(request.prompt_len + self.config.num_draft_tokens + 1)
-        return needed + self.headroom(self._num_running + 1) <= self.allocator.num_free_pages
+        # headroom is for the growth of requests already running; the first one only needs its pages (a
+        # pool sized to its final length may not hold one more block)
+        spare = self.headroom(self._num_running + 1) if self._num_running else 0
+        return needed + spare <= self.allocator.num_free_pages
 
     def admit(self, request, reservation: int) -> None:
         rid = request.request_id

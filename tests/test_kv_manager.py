@@ -256,6 +256,18 @@ def test_a_request_that_cannot_fit_alone_is_refused_before_work(model):
         run(model, torch.tensor([[5, 6, 7, 8]]), None, config(num_pages=17), do_sample=False)
 
 
+@pytest.mark.parametrize("new_tokens", [1, 8])
+def test_a_long_prompt_with_few_new_tokens_is_admitted_into_a_pool_sized_for_it(model, new_tokens):
+    # the default pool holds the request's final length + one block; admission used to ask one more block
+    # of headroom on top, so a prompt that fills most of its pages was never admitted (nothing ran)
+    ids = torch.randint(3, model.config.vocab_size, (1, 45), generator=torch.Generator().manual_seed(0))
+    plain = model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False)
+    for cfg in (SparseSpecConfig(), SparseSpecConfig(num_draft_tokens=0)):
+        out = model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False,
+                             generation_strategy="sparsespec", sparsespec_config=cfg)  # fmt: skip
+        assert torch.equal(out, plain)
+
+
 def test_a_full_host_pool_is_a_clear_error(model, batch):
     ids, mask = batch
     with pytest.raises(HostMemoryError, match=r"must be offloaded .* the host pool \(0.00 GiB\) is full"):
