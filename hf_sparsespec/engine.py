@@ -39,6 +39,12 @@ from hf_sparsespec.validation import (
     tensor_parallel_group,
 )
 
+STRIDE_ALIGNMENT = 16
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -117,7 +123,11 @@ class Engine:
         config = self.config
         num_slots = min(config.max_num_requests, len(requests))
         spec = self.k + 1
-        history_width = max(r.history_offset + r.max_total_len + spec for r in requests)
+        # widths that set strides of kernel arguments are multiples of 16 (pages of the page table too):
+        # Triton specialises integer arguments on divisibility by 16, and a stride that changed class
+        # from one call to the next (another max_new_tokens) would compile every kernel again
+        history_width = _round_up(max(r.history_offset + r.max_total_len + spec for r in requests),
+                                  STRIDE_ALIGNMENT * config.page_size)  # fmt: skip
         pages = sorted(-(-(r.max_total_len + spec) // config.page_size) for r in requests)
         needed = sum(pages[-num_slots:])  # room for the largest requests at once
         if config.num_pages is not None:
@@ -137,6 +147,7 @@ class Engine:
             num_pages = needed
         max_context = max(r.max_total_len + spec for r in requests)
         max_budget = 1 if config.selection == "dense" or self.k == 0 else config.budget(max_context)
+        max_budget = _round_up(max_budget, STRIDE_ALIGNMENT) if max_budget > 1 else 1
         return EngineLayout(num_slots, num_pages, history_width, max_budget)
 
     def _largest_step(self, num_params: int, group: int, items: int) -> tuple[StepShape, int]:

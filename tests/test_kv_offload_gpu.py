@@ -25,12 +25,16 @@ def test_copies_are_asynchronous_ordered_and_bit_exact():
     allocator = cache.allocator
     allocator.add("a")
     allocator.ensure("a", 4000)  # 250 pages: 16 chunks of 16 pages
-    torch.cuda._sleep(500_000_000)  # a long kernel (~0.3 s) on the compute stream, then its writes
     for layer in cache.layers:
         layer.keys.normal_()
         layer.values.normal_()
     pages = allocator.page_table("a")
     expected = [(layer.keys[pages].clone(), layer.values[pages].clone()) for layer in cache.layers]
+    torch.cuda.synchronize()  # (indexing with a host list waits for the stream: no such wait below)
+    torch.cuda._sleep(500_000_000)  # a long kernel (~0.3 s) on the compute stream, then its writes
+    for layer in cache.layers:
+        layer.keys.mul_(1)
+        layer.values.mul_(1)
     length = allocator.length("a")
     parked = allocator.park("a")
     host = cache.host.offload(parked, length)

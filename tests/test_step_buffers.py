@@ -295,6 +295,22 @@ def test_bucket_padding_writes_no_kv_and_samples_nothing(backend):
     assert padded.runner.token_buffer[num_slots].any()  # padding rows sampled into the dummy slot only
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 7, 37])
+def test_kernel_argument_strides_keep_their_divisibility_whatever_the_lengths(max_new_tokens):
+    # Triton specialises integer arguments on divisibility by 16: the strides that follow the requests'
+    # lengths (page table, selected-index store, PillarAttn scores) stay multiples of 16, so another
+    # max_new_tokens reuses the compiled kernels
+    model = tiny_model("qwen2")
+    config = SparseSpecConfig(num_draft_tokens=3, min_budget=5, page_size=4, backend="triton")
+    engine, requests, _ = _run_engine(model, [[5, 17, 3, 8], [9] * 11], config, pad=True,
+                                      max_new_tokens=max_new_tokens)  # fmt: skip
+    assert all(len(r.generated) == max_new_tokens for r in requests)
+    runner = engine.runner
+    strides = [runner.page_table.stride(0), runner.token_buffer.stride(0), engine.cache.selected.stride(2)]
+    strides += [runner.scores.stride(0), runner.scores.stride(1)]
+    assert all(stride % 16 == 0 for stride in strides), strides
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_autoregressive_mode_equals_plain_generate(arch):
     model = tiny_model(arch)
