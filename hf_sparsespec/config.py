@@ -79,7 +79,9 @@ class SparseSpecConfig:
         compile_forward: run the model's forward of padded decode iterations through
             `torch.compile(dynamic=True)` (the attention ops as opaque custom ops, `hf_sparsespec.ops`),
             fusing the modeling code's elementwise kernels; compiles once per process and model
-            (minutes for a large model). Experimental: off until measured on a GPU.
+            (minutes for a large model). Experimental and off: on the H200 (torch 2.11) its CUDA-graph
+            capture failed and the runner fell back to eager iterations (docs/measurements.md §4);
+            two host reads under capture were fixed since, not yet re-measured.
     """
 
     num_draft_tokens: int = 8

@@ -43,13 +43,15 @@ def mixed_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`num_full_rows`: a one-element tensor (read by the reference backend only); `selected`: the
     whole store `[num_layers, slots, kv_heads, max_budget]`, of which `layer` is read."""
-    plan = None
-    if work is not None:
+    plan, full_rows = None, 0  # with a plan the kernels never read the count: no host read (CUDA-graph capture)
+    if work is None:
+        full_rows = int(num_full_rows)
+    else:
         group = query.shape[1] // k_cache.shape[2]
         plan = AttentionPlan(work, merge, part_out.shape[0], block_m_full, block_m_draft, group, k_cache.shape[2],
                              part_out, part_lse)  # fmt: skip
     return _backend(backend, query.device).mixed_attention(
-        query, k_cache, v_cache, page_table, query_start, context_lens, int(num_full_rows), recent_start,
+        query, k_cache, v_cache, page_table, query_start, context_lens, full_rows, recent_start,
         selected[layer], selection_slot, num_selected, scale, plan=plan,
     )  # fmt: skip
 

@@ -274,10 +274,16 @@ class ModelRunner:
             context_lens = (context_lens + shift[: shape.num_rows]).to(torch.int32)
             draft_write = draft_write + shift[f["draft_row"].long()]
             prefix_len = prefix_len + shift[f["logits_row"].long()]
+        compiled = self._compiles(shape)
+        # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
+        # instead and must see the same ints when replayed as when captured (or it would recompile there)
+        num_full_rows = shape.num_prefill_rows
+        if batch is not None and not compiled:
+            num_full_rows += len(batch.verify_rows)
         step = StepBatch(
             backend=self.backend,
             cache=self.cache,
-            num_full_rows=shape.num_prefill_rows + (len(batch.verify_rows) if batch is not None else 0),
+            num_full_rows=num_full_rows,
             slot_mapping=kv_slot,
             page_table=self.page_table.index_select(0, f["row_slot"]),
             query_start=f["query_start"],
@@ -296,7 +302,7 @@ class ModelRunner:
             scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
             score_verify_rows=self.selection == "pillar" and self.k > 0,
             max_context=self.max_context,
-            compiled=self._compiles(shape),
+            compiled=compiled,
             num_full_rows_tensor=f["num_full_rows"],
         )
         p = shape.num_prefill_rows
