@@ -145,10 +145,12 @@ def _moved_offsets(rows, selected, selection_slot, num_entries, num_slots, num_k
     return offsets.to(device)
 
 
-def _draft_case(device, dtype, page_size, group, head_dim, num_entries, num_kv_heads=2, rows=DRAFT_ROWS):
+def _draft_case(device, dtype, page_size, group, head_dim, num_entries, num_kv_heads=2, rows=DRAFT_ROWS,
+                max_budget=24):  # fmt: skip
     context_lens, recent_start, num_selected = (list(col) for col in zip(*rows))
     k_cache, v_cache, page_table = make_paged_kv(context_lens, page_size, num_kv_heads, head_dim, dtype, device)
-    selected, selection_slot = random_selection(context_lens, recent_start, num_selected, num_kv_heads, 24, device)
+    selected, selection_slot = random_selection(context_lens, recent_start, num_selected, num_kv_heads, max_budget,
+                                                device)  # fmt: skip
     offsets = _moved_offsets(rows, selected.cpu(), selection_slot.cpu(), num_entries, selected.shape[0], num_kv_heads,
                              device)  # fmt: skip
     query = torch.randn(len(rows), num_kv_heads * group, head_dim).to(dtype).to(device)
@@ -204,6 +206,27 @@ def test_draft_attention_with_moved_keys_matches_reference(device, dtype, page_s
     assert tiny_splits.num_merge > 0
     for plan in (None, tiny_splits):
         assert_attention_close(sparse_draft_attention(*args, plan=plan, offsets=offsets), ref, lowp, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group, head_dim, page_size", [(6, 128, 16), (3, 64, 1)])
+def test_draft_attention_with_moved_keys_bf16(group, head_dim, page_size):
+    """bf16 on the GPU at long contexts and 5 % budgets: flash-attn's rule against the fp32 reference
+    (the torch-bf16 baseline attends the reference's own key set)."""
+    rows = [(4099, 4091, 205), (20000, 19992, 1000), (97, 90, 20)]
+    num_entries = 9 * group
+    args, offsets = _draft_case("cuda", torch.bfloat16, page_size, group, head_dim, num_entries, rows=rows,
+                                max_budget=1024)  # fmt: skip
+    ref = sparse_draft_attention_ref(*args, offsets=offsets)
+    merged, counts = _with_moved_keys(args, offsets)
+    lowp = torch.zeros_like(ref)
+    for row in range(ref.shape[0]):
+        for h in range(2):
+            one = list(args)
+            one[6], one[8] = merged, i32([counts[row][h]] * ref.shape[0], "cuda")
+            heads = slice(h * group, (h + 1) * group)
+            lowp[row, heads] = sparse_attention_lowp(*one)[row, heads]
+    assert_attention_close(sparse_draft_attention(*args, offsets=offsets), ref, lowp, torch.bfloat16)
 
 
 def test_reference_attends_the_deduplicated_union(device):
