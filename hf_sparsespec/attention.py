@@ -3,8 +3,9 @@
 Modeling code calls it once per layer with the step's queries; the keys/values of the step were
 already written into the pages by `SparseSpecCache.update`. It reads everything else from the
 `sparsespec_step` forward kwarg: prefill and verification rows attend fully and causally, draft rows
-attend to their PillarAttn selection plus their recent window, and verification rows refresh the
-selection of their request for this layer from the exact attention probabilities they just computed.
+attend to their PillarAttn selection (plus, for `"diagonal"`, their moved keys) plus their recent
+window, and verification rows refresh the selection (and the moved-key offsets) of their request for
+this layer from the exact attention probabilities they just computed.
 
 The matching mask function returns None: the attention derives all masking from the step metadata,
 and a dense `[num_tokens, kv_len]` mask of a packed batch would cost quadratic memory.
@@ -51,6 +52,8 @@ def sparsespec_attention(
     layer_idx = module.layer_idx
     layer = step.cache.layers[layer_idx]
     selected = step.cache.selected[layer_idx]
+    moved_store = step.cache.moved_offsets  # [layers, slots, kv_heads, num_moved] or None
+    offsets = moved_store[layer_idx] if moved_store is not None else None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [num_tokens, num_q_heads, head_dim]
     rows = (step.page_table, step.query_start, step.context_lens)
@@ -64,17 +67,19 @@ def sparsespec_attention(
             step.selection_slot, step.num_selected, scale,
             plan.work if plan else None, plan.merge if plan else None, plan.part_out if plan else None,
             plan.part_lse if plan else None, plan.block_m_full if plan else 0, plan.block_m_draft if plan else 0,
-            step.backend.name,
+            step.backend.name, moved_store,
         )  # fmt: skip
         if score:
             ops.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, store, layer_idx,
-                                 step.verify_slots, step.scores, scale, step.spec_len, step.backend.name)  # fmt: skip
+                                 step.verify_slots, step.scores, scale, step.spec_len, step.backend.name,
+                                 moved_store, step.best)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
-                                            plan=step.plan)  # fmt: skip
+                                            plan=step.plan, offsets=offsets)  # fmt: skip
     if score:
         step.backend.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, selected,
-                                      step.verify_slots, step.scores, scale, step.spec_len)  # fmt: skip
+                                      step.verify_slots, step.scores, scale, step.spec_len, offsets=offsets,
+                                      best=step.best)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

@@ -158,13 +158,16 @@ class BatchBuilder:
             `processor_params`, a tuple of ints set by the engine).
         pad: pad decode iterations to buckets (graph-able shapes).
         sample_seed: the seed of the keyed sampling noise; None under greedy decoding (no keys).
+        num_moved: moved-key entries every draft row attends besides its selection (the diagonal
+            selection, `(k + 1) x group`; 0 otherwise): room in the attention plan.
     """
 
     def __init__(
         self, k: int, num_slots: int, history_width: int, page_size: int, page_table: DevicePageTable,
         group: int, num_kv_heads: int, plan_items: int, num_params: int, pad: bool, sample_seed: int | None = None,
+        num_moved: int = 0,
     ) -> None:  # fmt: skip
-        self.sample_seed = sample_seed
+        self.sample_seed, self.num_moved = sample_seed, num_moved
         self.k, self.num_slots, self.width, self.page_size = k, num_slots, history_width, page_size
         self.page_table = page_table
         self.group, self.num_kv_heads, self.plan_items = group, num_kv_heads, plan_items
@@ -306,7 +309,7 @@ class BatchBuilder:
         if capacity is not None:
             work, merge, _ = plan_work_lists(
                 query_start, context + max_shift, n_p + n_v, n_sel, recent, group=self.group,
-                block_m_full=block_m_full, items=self.plan_items, capacity=capacity,
+                block_m_full=block_m_full, items=self.plan_items, capacity=capacity, num_moved=self.num_moved,
             )  # fmt: skip
             a["work"], a["merge"] = work.reshape(-1), merge.reshape(-1)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SCHEDULER_POLICIES = ("unified", "naive")
-SELECTION_POLICIES = ("pillar", "streaming", "dense")
+SELECTION_POLICIES = ("pillar", "diagonal", "streaming", "dense")
 BACKENDS = ("auto", "torch", "triton")
 KV_POLICIES = ("dynamic", "reserve")
 
@@ -45,8 +45,13 @@ class SparseSpecConfig:
         scheduler: `"unified"` staggers requests over the k+1 phases of a cycle so every iteration
             mixes drafts and verifications; `"naive"` runs every request in lockstep (ablation).
         selection: `"pillar"` (PillarAttn: top-B keys by the attention the last verification
-            computed), `"streaming"` (first `num_sink_tokens` keys plus the most recent ones), or
-            `"dense"` (draft with full attention; accepts everything under greedy, a sanity check).
+            computed), `"diagonal"` (PillarAttn's keys plus, per (layer, KV head), the "moved" keys:
+            each verification query p and query head of the GQA group keeps the offset `j - p` of its
+            most attended old key j, and a draft query at position q also attends key `q + j - p`
+            when it is older than the recent window; the copy/induction heads' keys advance with
+            the drafts; (k + 1) x group extra keys at most), `"streaming"` (first `num_sink_tokens`
+            keys plus the most recent ones), or `"dense"` (draft with full attention; accepts
+            everything under greedy, a sanity check).
         num_sink_tokens: sink tokens of the streaming selection.
         delayed_verification: the host reads an iteration's results only after launching the next
             one, so it never waits on the device while work is queued. A request that just verified
@@ -88,7 +93,7 @@ class SparseSpecConfig:
     budget_ratio: float = 0.05
     min_budget: int = 128
     scheduler: Literal["unified", "naive"] = "unified"
-    selection: Literal["pillar", "streaming", "dense"] = "pillar"
+    selection: Literal["pillar", "diagonal", "streaming", "dense"] = "pillar"
     num_sink_tokens: int = 4
     delayed_verification: bool = True
     page_size: int = 16

@@ -54,6 +54,7 @@ class EngineLayout:
     num_pages: int
     history_width: int  # columns of the token buffer
     max_budget: int  # width of the selected-index store
+    num_moved: int  # width of the moved-key offsets store: (k + 1) x group for "diagonal", else 0
 
 
 class Engine:
@@ -92,6 +93,7 @@ class Engine:
             device=self.device,
             host_pool_bytes=config.host_pool_size(),
             offload_chunk_tokens=config.offload_chunk_tokens,
+            num_moved=layout.num_moved,
         )
         # under tensor parallelism every process must decide alike: no decision on a copy's progress
         self.kv = KVManager(config, self.cache.allocator, self.cache.host, synchronous=tp_group is not None)
@@ -107,6 +109,7 @@ class Engine:
             self.k, layout.num_slots, layout.history_width, config.page_size, self.page_table, group,
             geometry.num_kv_heads, items, pipeline.num_params, pad=use_graphs if pad_to_buckets is None else pad_to_buckets,
             sample_seed=int(torch.randint(0, 2**62, ())) if do_sample else None,  # torch's generator seeds the noise
+            num_moved=layout.num_moved,
         )  # fmt: skip
         largest, max_page_updates = self._largest_step(pipeline.num_params, group, items)
         self.runner = ModelRunner(
@@ -148,7 +151,9 @@ class Engine:
         max_context = max(r.max_total_len + spec for r in requests)
         max_budget = 1 if config.selection == "dense" or self.k == 0 else config.budget(max_context)
         max_budget = _round_up(max_budget, STRIDE_ALIGNMENT) if max_budget > 1 else 1
-        return EngineLayout(num_slots, num_pages, history_width, max_budget)
+        group = geometry.num_q_heads // geometry.num_kv_heads
+        num_moved = (self.k + 1) * group if config.selection == "diagonal" and self.k > 0 else 0
+        return EngineLayout(num_slots, num_pages, history_width, max_budget, num_moved)
 
     def _largest_step(self, num_params: int, group: int, items: int) -> tuple[StepShape, int]:
         """Bounds of every iteration's buffers: prefill tokens are capped by the chunk size, a slot holds

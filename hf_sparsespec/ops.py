@@ -40,9 +40,11 @@ def mixed_attention(
     selected: torch.Tensor, layer: int, selection_slot: torch.Tensor, num_selected: torch.Tensor, scale: float,
     work: torch.Tensor | None, merge: torch.Tensor | None, part_out: torch.Tensor | None,
     part_lse: torch.Tensor | None, block_m_full: int, block_m_draft: int, backend: str,
+    moved_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`num_full_rows`: a one-element tensor (read by the reference backend only); `selected`: the
-    whole store `[num_layers, slots, kv_heads, max_budget]`, of which `layer` is read."""
+    """`num_full_rows`: a one-element tensor (read by the reference backend only); `selected` (and
+    `moved_offsets`, the diagonal selection's, or None): the whole store `[num_layers, slots,
+    kv_heads, width]`, of which `layer` is read."""
     plan, full_rows = None, 0  # with a plan the kernels never read the count: no host read (CUDA-graph capture)
     if work is None:
         full_rows = int(num_full_rows)
@@ -53,30 +55,34 @@ def mixed_attention(
     return _backend(backend, query.device).mixed_attention(
         query, k_cache, v_cache, page_table, query_start, context_lens, full_rows, recent_start,
         selected[layer], selection_slot, num_selected, scale, plan=plan,
+        offsets=moved_offsets[layer] if moved_offsets is not None else None,
     )  # fmt: skip
 
 
 @mixed_attention.register_fake
 def _(query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows, recent_start, selected, layer,
-      selection_slot, num_selected, scale, work, merge, part_out, part_lse, block_m_full, block_m_draft, backend):  # fmt: skip
+      selection_slot, num_selected, scale, work, merge, part_out, part_lse, block_m_full, block_m_draft, backend,
+      moved_offsets=None):  # fmt: skip
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("hf_sparsespec::update_selection", mutates_args=("selected", "scores"))
+@torch.library.custom_op("hf_sparsespec::update_selection", mutates_args=("selected", "scores", "moved_offsets", "best"))
 def update_selection(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, budgets: torch.Tensor, selected: torch.Tensor, layer: int,
     slots: torch.Tensor, scores: torch.Tensor | None, scale: float, max_queries: int, backend: str,
+    moved_offsets: torch.Tensor | None = None, best: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Writes `selected[layer]` (the whole store is the mutated argument: a compiled graph loses
-    mutations of a view of a tensor it did not receive as an input)."""
+    """Writes `selected[layer]` (and `moved_offsets[layer]`, the diagonal selection's; `best` is its
+    workspace); the whole stores are the mutated arguments: a compiled graph loses mutations of a
+    view of a tensor it did not receive as an input."""
     _backend(backend, query.device).update_selection(
         query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected[layer], slots, scores, scale,
-        max_queries,
+        max_queries, offsets=moved_offsets[layer] if moved_offsets is not None else None, best=best,
     )
 
 
 @update_selection.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, layer, slots, scores, scale,
-      max_queries, backend):  # fmt: skip
+      max_queries, backend, moved_offsets=None, best=None):  # fmt: skip
     return None

@@ -121,9 +121,13 @@ class ModelRunner:
             num_q_heads, head_dim, part_rows = cache.num_kv_heads * group, cache.head_dim, largest.plan.num_part_rows
             self.part_out = torch.empty((part_rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
             self.part_lse = torch.empty((part_rows, num_q_heads), dtype=torch.float32, device=device)
-            if selection == "pillar" and k > 0:
+            if selection in ("pillar", "diagonal") and k > 0:
                 shape = (largest.num_verify_rows, cache.num_kv_heads, history_width)
                 self.scores = torch.empty(shape, dtype=torch.float32, device=device)
+        self.best = None  # the diagonal selection's workspace (Triton): zeros, and zeroed again after each use
+        if backend.needs_plan and cache.moved_offsets is not None:
+            shape = (largest.num_verify_rows, cache.num_kv_heads, cache.moved_offsets.shape[-1])
+            self.best = torch.zeros(shape, dtype=torch.int64, device=device)
         self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
         self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, StepViews]] = {}
         self.seen: dict[StepShape, int] = {}  # eager runs of each graph-able shape
@@ -300,7 +304,8 @@ class ModelRunner:
             budgets=f["budget"],
             verify_slots=f["verify_slot"].long(),
             scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
-            score_verify_rows=self.selection == "pillar" and self.k > 0,
+            score_verify_rows=self.selection in ("pillar", "diagonal") and self.k > 0,
+            best=self.best[: shape.num_verify_rows] if self.best is not None else None,
             max_context=self.max_context,
             compiled=compiled,
             num_full_rows_tensor=f["num_full_rows"],

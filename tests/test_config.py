@@ -30,7 +30,8 @@ def test_defaults():
         ("budget_ratio", "0.1", r"budget_ratio must be a float, got '0.1'"),
         ("min_budget", 0, r"min_budget must be >= 1, got 0"),
         ("scheduler", "lockstep", r"scheduler must be one of \('unified', 'naive'\), got 'lockstep'"),
-        ("selection", "oracle", r"selection must be one of \('pillar', 'streaming', 'dense'\), got 'oracle'"),
+        ("selection", "oracle", r"selection must be one of \('pillar', 'diagonal', 'streaming', 'dense'\), got 'oracle'"),
+        ("selection", "Diagonal", r"selection must be one of .*, got 'Diagonal'"),
         ("page_size", 0, r"page_size must be in \[1, 4096\], got 0"),
         ("max_num_requests", -3, r"max_num_requests must be >= 1, got -3"),
         ("num_pages", 0, r"num_pages must be >= 1, got 0"),
@@ -59,6 +60,11 @@ def test_host_pool_defaults_to_half_the_physical_memory():
 def test_streaming_sinks_must_fit_the_budget():
     with pytest.raises(ValueError, match=r"num_sink_tokens must be < min_budget \(4\) for the streaming selection, got 4"):
         SparseSpecConfig(selection="streaming", min_budget=4, num_sink_tokens=4)
+
+
+def test_diagonal_selection_is_accepted():
+    config = SparseSpecConfig(selection="diagonal", min_budget=4)
+    assert config.selection == "diagonal" and config.budget(10) == 4
 
 
 def test_frozen():

@@ -34,8 +34,10 @@ def sparsespec(model, ids, mask, max_new_tokens, config, **kwargs):
         SparseSpecConfig(num_draft_tokens=8, min_budget=16, budget_ratio=0.2, page_size=16),
         SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=1, selection="streaming", num_sink_tokens=1),
         SparseSpecConfig(num_draft_tokens=5, min_budget=8, page_size=8, scheduler="naive", delayed_verification=False),
+        SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4, selection="diagonal"),
+        SparseSpecConfig(num_draft_tokens=7, min_budget=3, page_size=1, selection="diagonal", scheduler="naive"),
     ],
-    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync"],
+    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync", "k4-diagonal", "k7-diagonal-naive"],
 )
 def test_ragged_batch_matches_plain_generate(arch, config):
     model = tiny_model(arch)

@@ -338,14 +338,17 @@ def test_autoregressive_mode_stops_at_eos_with_iterations_in_flight():
 
 
 
-def test_compiled_forward_equals_eager():
+@pytest.mark.parametrize("selection", ["pillar", "diagonal"])
+def test_compiled_forward_equals_eager(selection):
     """`compile_forward`: the padded decode iterations' forward through torch.compile (the attention
-    ops as custom ops) gives the same tokens and the same acceptance as the eager forward."""
+    ops as custom ops, the diagonal selection's offsets store among their arguments) gives the same
+    tokens and the same acceptance as the eager forward."""
     model = tiny_model("qwen2")
     prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
     runs = []
     for compile_forward in (False, True):
-        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=compile_forward)
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=compile_forward,
+                                  selection=selection)  # fmt: skip
         engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=20)
         runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
     assert runs[0] == runs[1]

@@ -12,6 +12,9 @@ and, shared by all layers:
     selected        [num_layers, num_slots, num_kv_heads, max_budget] int32
                      PillarAttn's selected-index store: token *positions* (not slots), so a request's
                      selection stays valid when its pages move (rollback, host offload).
+    moved_offsets   [num_layers, num_slots, num_kv_heads, num_moved] int32 (the `"diagonal"` selection)
+                     each slot's moved-key offsets (key - query position), written by its verifications
+                     (`kernels/moved_keys.py`); relative, so valid wherever the pages go, like `selected`.
 
 Invariants:
 - a request's positions `0 .. length-1` live in its page table (`PageAllocator`); a rollback only
@@ -32,6 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_sparsespec.cache.host_tier import HostKV, HostTier
 from hf_sparsespec.cache.page_allocator import PageAllocator
+from hf_sparsespec.kernels.moved_keys import NO_OFFSET
 
 
 class PagedLayer(CacheLayerMixin):
@@ -76,6 +80,8 @@ class SparseSpecCache(Cache):
         num_pages, page_size: the page pool of each layer.
         num_slots: requests that can hold a selection at once (the engine's device slots).
         max_budget: the most keys a selection can hold per (layer, KV head).
+        num_moved: moved-key entries per (layer, slot, KV head), `(k + 1) x group` for the diagonal
+            selection; 0: no store (`moved_offsets` is None).
         host_pool_bytes: the most host memory offloaded requests may hold (pinned on CUDA).
         offload_chunk_tokens: token positions per host chunk (the unit of the offload copies).
     """
@@ -93,6 +99,7 @@ class SparseSpecCache(Cache):
         device: torch.device | str,
         host_pool_bytes: int = 2**30,
         offload_chunk_tokens: int = 1024,
+        num_moved: int = 0,
     ) -> None:
         layers = [PagedLayer(num_pages, page_size, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
         super().__init__(layers=layers)
@@ -103,6 +110,10 @@ class SparseSpecCache(Cache):
         self.selected = torch.full(
             (num_layers, num_slots, num_kv_heads, max_budget), -1, dtype=torch.int32, device=device
         )
+        self.moved_offsets = None
+        if num_moved:
+            shape = (num_layers, num_slots, num_kv_heads, num_moved)
+            self.moved_offsets = torch.full(shape, NO_OFFSET, dtype=torch.int32, device=device)
         self.host = HostTier(self, offload_chunk_tokens, host_pool_bytes)
         self.active_step = None  # the StepBatch of the forward in flight, set by `Engine` around it
 

@@ -4,8 +4,10 @@ tile store, and the merge of split-KV partial results.
 Packing (GQA): tile row `m` is query `m // GROUP` of the tile and query head `kv_head * GROUP + m % GROUP`,
 so every query head that reads one KV head shares each K/V block that is loaded (a verify block of
 9 queries x 6 heads is 54 rows of one 64-row tile). Keys are addressed by *key index*: for full rows
-the index is the position; for draft rows (`SPARSE`) indices `< num_sel` are the selected positions
-and the rest the recent window `recent_start + (index - num_sel)`. Positions go through the row's page
+the index is the position; for draft rows (`SPARSE`) indices `< num_sel` are the selected positions,
+then (`MOVED`, the diagonal selection) `num_moved` moved keys `query position + offset` (masked when
+outside `[0, recent_start)` or duplicates: `moved_keys.py`), and the rest the recent window
+`recent_start + (index - num_sel - num_moved)`. Positions go through the row's page
 table (`page_table[row, pos // PAGE_SIZE]`, offset `pos % PAGE_SIZE`) in int64.
 
 Softmax runs online in base 2 (`qk_scale` already holds `log2(e)`); the LSE leaves in natural log.
@@ -33,6 +35,7 @@ def _attend_tile(
     v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
     page_row_ptr,  # [max_pages] int32, this row's page table
     sel_ptr,  # [max_budget] int32, this row's selected positions for `kv_head` (read if SPARSE)
+    moved_ptr,  # [num_moved] int32, this row's moved-key offsets for `kv_head` (read if MOVED)
     stride_q_tok,
     stride_q_head,
     stride_cache_page,  # k_cache and v_cache share their strides
@@ -46,6 +49,7 @@ def _attend_tile(
     key_end,
     num_sel,  # selected keys (SPARSE)
     recent_start,  # first position of the recent window (SPARSE)
+    num_moved,  # moved keys after the selected ones (MOVED)
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -55,6 +59,9 @@ def _attend_tile(
     PAGE_SIZE: tl.constexpr,
     SPARSE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    MOVED: tl.constexpr = False,
+    MOVED_PAD: tl.constexpr = 1,  # a power of 2 >= num_moved
+    SEARCH_STEPS: tl.constexpr = 1,  # binary-search steps over the selection (bit length of max_budget)
 ):
     """Returns `(out, lse)`: out (BLOCK_M, BLOCK_D) fp32 normalized over this program's keys, lse (BLOCK_M,)
     natural log (-inf where no key was visible)."""
@@ -81,7 +88,19 @@ def _attend_tile(
         if SPARSE:
             is_sel = key < num_sel
             sel = tl.load(sel_ptr + key, mask=n_valid & is_sel, other=0)
-            pos = tl.where(is_sel, sel, recent_start + key - num_sel)
+            if MOVED:
+                pos = tl.where(is_sel, sel, recent_start + key - num_sel - num_moved)
+                if (start < num_sel + num_moved) & (start + BLOCK_N > num_sel):  # the block holds moved keys
+                    entry = key - num_sel
+                    is_moved = n_valid & (entry >= 0) & (entry < num_moved)
+                    moved, keep = _moved_positions(
+                        moved_ptr, sel_ptr, entry, is_moved, num_sel, num_moved, first_q_pos, recent_start,
+                        MOVED_PAD, SEARCH_STEPS,
+                    )  # fmt: skip
+                    pos = tl.where(is_moved, moved, pos)
+                    n_valid = n_valid & (keep | ~is_moved)
+            else:
+                pos = tl.where(is_sel, sel, recent_start + key - num_sel)
         else:
             pos = key
         page = tl.load(page_row_ptr + pos // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
@@ -109,6 +128,42 @@ def _attend_tile(
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     return out, lse
+
+
+@triton.jit
+def _moved_positions(
+    moved_ptr,  # [num_moved] int32 offsets
+    sel_ptr,  # [num_sel] int32, ascending positions
+    entry,  # (BLOCK_N,) entry of each key index in the moved list (read where `is_moved`)
+    is_moved,  # (BLOCK_N,) bool
+    num_sel,
+    num_moved,
+    query_pos,
+    recent_start,
+    MOVED_PAD: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+):
+    """`(positions, keep)` of moved keys: `query_pos + offset`, kept when inside `[0, recent_start)`,
+    not equal to an earlier entry's position and not in the selection (a binary search)."""
+    pos = query_pos + tl.load(moved_ptr + entry, mask=is_moved, other=-(2**30))
+    keep = is_moved & (pos >= 0) & (pos < recent_start)
+    others = tl.arange(0, MOVED_PAD)
+    other_pos = query_pos + tl.load(moved_ptr + others, mask=others < num_moved, other=-(2**30))
+    other_ok = (others < num_moved) & (other_pos >= 0) & (other_pos < recent_start)
+    earlier = (pos[:, None] == other_pos[None, :]) & other_ok[None, :] & (others[None, :] < entry[:, None])
+    keep = keep & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+    # lower bound of `pos` in the ascending selection
+    lo = tl.zeros_like(pos)
+    hi = lo + num_sel
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(sel_ptr + mid, mask=keep & active, other=0) < pos
+        lo = tl.where(active & below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    found = tl.load(sel_ptr + lo, mask=keep & (lo < num_sel), other=-1) == pos
+    keep = keep & ~found
+    return tl.where(keep, pos, 0), keep
 
 
 @triton.jit

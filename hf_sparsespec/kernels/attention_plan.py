@@ -9,7 +9,8 @@ A work item is `(row, q_begin, key_begin, key_end, part_row)`:
 - `row` owns queries `query_start[row] + q_begin ...` (a tile of up to `BLOCK_M // group` queries) of
   a full (causal) row, or, when `q_begin = -1`, the single query of a draft row; it attends its key
   indices `[key_begin, key_end)`: for full rows key index = position, for draft rows the selected
-  positions come first, then the recent window (`sparse_attention`);
+  positions come first, then the `num_moved` moved keys of the diagonal selection, then the recent
+  window (`sparse_attention`);
 - `part_row = -1`: the item covers all its tile's keys and writes `out`/`lse` directly; otherwise it
   writes fp32 partial rows `part_row + i` (query `i` of the tile), and the merge kernel combines the
   splits of each query: merge entry `(token, first_part_row, split_stride, num_splits, keep_lse)`
@@ -132,13 +133,15 @@ def plan_work_lists(
     min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
     min_keys_per_full_split: int = MIN_KEYS_PER_FULL_SPLIT,
     capacity: PlanCapacity | None = None,
+    num_moved: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """`(work [n, 5], merge [m, 5], num_part_rows)` int32 arrays for one batch (host, vectorised).
 
     Args: host sequences (lists or arrays) of `num_rows + 1` query offsets and `num_rows` context
     lengths / selected counts / recent starts; rows `[0, num_full_rows)` attend fully and causally, the
     rest are one-query draft rows. `capacity`: pad both lists to its sizes with no-op entries (and
-    check the bounds).
+    check the bounds). `num_moved`: moved-key entries every draft row attends besides its selection
+    (the diagonal selection; the kernel masks the ones that fall outside or repeat).
     """
     query_start = np.asarray(query_start, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -161,7 +164,7 @@ def plan_work_lists(
     full_keys = context_lens[full_row] - q_lens[full_row] + full_q_begin + full_num_q
     # Draft rows: one query; selected keys plus the recent window.
     draft_row = np.arange(num_full_rows, num_rows)
-    draft_keys = np.asarray(num_selected, dtype=np.int64)[num_full_rows:] + context_lens[num_full_rows:]
+    draft_keys = np.asarray(num_selected, dtype=np.int64)[num_full_rows:] + num_moved + context_lens[num_full_rows:]
     draft_keys = draft_keys - np.asarray(recent_start, dtype=np.int64)[num_full_rows:]
 
     row = np.concatenate([full_row, draft_row])
@@ -237,6 +240,7 @@ def plan_attention(
     min_keys_per_split: int | None = None,
     min_keys_per_full_split: int | None = None,
     target_programs: int | None = None,
+    num_moved: int = 0,
 ) -> AttentionPlan:
     """Cut one mixed batch (full rows first, then one-query draft rows) into work items, uploaded.
 
@@ -249,6 +253,7 @@ def plan_attention(
         group, num_kv_heads: query heads per KV head, KV heads.
         min_keys_per_split, min_keys_per_full_split, target_programs: the split heuristics
             (module constants by default; tests lower them). `min_keys_per_split` alone sets both floors.
+        num_moved: moved-key entries of every draft row (the diagonal selection), 0 otherwise.
     """
     if min_keys_per_split is None:
         min_keys_per_split = MIN_KEYS_PER_SPLIT
@@ -262,7 +267,7 @@ def plan_attention(
     work, merge, num_part_rows = plan_work_lists(
         query_start, context_lens, num_full_rows, num_selected, recent_start, group=group,
         block_m_full=block_m_full, items=target_items(num_kv_heads, torch.device(device), target_programs),
-        min_keys_per_split=min_keys_per_split, min_keys_per_full_split=min_keys_per_full_split,
+        min_keys_per_split=min_keys_per_split, min_keys_per_full_split=min_keys_per_full_split, num_moved=num_moved,
     )  # fmt: skip
     lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)]))
     if torch.device(device).type == "cuda":

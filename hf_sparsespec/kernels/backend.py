@@ -2,9 +2,10 @@
 
 `TorchBackend` runs the float32 references (the CPU backend and the oracle); `TritonBackend` runs
 the Triton kernels (CUDA, or the CPU interpreter under `TRITON_INTERPRET=1`). Both expose the same
-per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` when `needs_plan`)
-and `update_selection` (PillarAttn: score the verification rows' keys and write each row's top keys
-into the selected-index store), and the sampler's `keyed_sample` (one token per row from keyed
+per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` when `needs_plan`;
+with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `update_selection`
+(PillarAttn: score the verification rows' keys and write each row's top keys into the selected-index
+store; with `offsets`, also each row's moved-key offsets), and the sampler's `keyed_sample` (one token per row from keyed
 noise). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
@@ -28,12 +29,12 @@ class AttentionBackend(Protocol):
 
     def mixed_attention(
         self, query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows,
-        recent_start, selected, selection_slot, num_selected, scale, plan=None,
+        recent_start, selected, selection_slot, num_selected, scale, plan=None, offsets=None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
     def update_selection(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
-        max_queries=None,
+        max_queries=None, offsets=None, best=None,
     ) -> None: ...  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor: ...
@@ -50,19 +51,20 @@ class TorchBackend:
 
     def mixed_attention(
         self, query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows,
-        recent_start, selected, selection_slot, num_selected, scale, plan=None,
+        recent_start, selected, selection_slot, num_selected, scale, plan=None, offsets=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         return mixed_attention_ref(
             query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows,
-            recent_start, selected, selection_slot, num_selected, scale,
+            recent_start, selected, selection_slot, num_selected, scale, offsets,
         )  # fmt: skip
 
     def update_selection(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
-        max_queries=None,
+        max_queries=None, offsets=None, best=None,
     ) -> None:  # fmt: skip
+        """`best` (the Triton workspace) is unused here."""
         update_selection_ref(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots,
-                             scores, scale)  # fmt: skip
+                             scores, scale, offsets)  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample_ref(probs, keys)

@@ -8,7 +8,7 @@ Triton: ONE launch over the plan's work items `(row, query tile, key split) x KV
 draft items mixed, longest first, so the two kinds of rows share the machine instead of running one
 after the other; then at most one merge launch for the split tiles. A program branches on its row
 kind: full rows use a `block_m_full` tile (e.g. 64 rows for 9 queries x 6 heads) and the causal mask,
-draft rows a 16-row tile over their selected + recent keys.
+draft rows a 16-row tile over their selected (+ moved, `"diagonal"`) + recent keys.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from hf_sparsespec.kernels._attention_tile import LOG2E, dot_precision, launch_c
 from hf_sparsespec.kernels._checks import check_cache_pair, check_query_heads, last_dim_contiguous
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, plan_attention
 from hf_sparsespec.kernels.paged_attention import _full_item, check_rows, paged_attention_ref
-from hf_sparsespec.kernels.sparse_attention import _draft_item, check_draft_rows, sparse_draft_attention_ref
+from hf_sparsespec.kernels.sparse_attention import (
+    _draft_item,
+    check_draft_rows,
+    moved_key_args,
+    sparse_draft_attention_ref,
+)
 
 
 def mixed_attention_ref(
@@ -37,6 +42,7 @@ def mixed_attention_ref(
     selection_slot: torch.Tensor,  # [num_rows] int32 (read for draft rows)
     num_selected: torch.Tensor,  # [num_rows] int32 (read for draft rows)
     scale: float,
+    offsets: torch.Tensor | None = None,  # [num_slots, num_kv_heads, num_moved] int32 (`"diagonal"`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: `(out [num_tokens, num_q_heads, head_dim], lse [num_tokens, num_q_heads] float32)`;
     the LSE of draft tokens is left at -inf (only verification rows need it). Rows past the full
@@ -70,6 +76,7 @@ def mixed_attention_ref(
             selection_slot[rows],
             num_selected[rows],
             scale,
+            offsets,
         )
     return out, lse
 
@@ -86,6 +93,7 @@ def _mixed_attention_kernel(
     selected_ptr,  # [num_slots, num_kv_heads, max_budget] int32
     selection_slot_ptr,  # [num_rows] int32
     num_selected_ptr,  # [num_rows] int32
+    offsets_ptr,  # [num_slots, num_kv_heads, num_moved] int32 (MOVED)
     work_ptr,  # [num_work, 5] int32: row (-1 padding), q_begin (-1 draft), key_begin, key_end, part_row
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     lse_ptr,  # [num_tokens, num_q_heads] fp32
@@ -99,6 +107,9 @@ def _mixed_attention_kernel(
     stride_pt_row,
     stride_sel_slot,
     stride_sel_head,
+    stride_off_slot,
+    stride_off_head,
+    num_moved,
     stride_out_tok,
     stride_out_head,
     stride_lse_tok,
@@ -112,6 +123,9 @@ def _mixed_attention_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    MOVED: tl.constexpr,
+    MOVED_PAD: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -132,11 +146,13 @@ def _mixed_attention_kernel(
         else:  # q_begin -1: the query of a draft row
             _draft_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
-                selection_slot_ptr, num_selected_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                selection_slot_ptr, num_selected_ptr, offsets_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                 row, tl.load(query_start_ptr + row), key_begin, key_end, part_row, kv_head,
                 stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
-                stride_sel_slot, stride_sel_head, stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
+                stride_sel_slot, stride_sel_head, stride_off_slot, stride_off_head, num_moved,
+                stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
                 GROUP, BLOCK_M_DRAFT, BLOCK_N_DRAFT, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION,
+                MOVED, MOVED_PAD, SEARCH_STEPS,
             )  # fmt: skip
 
 
@@ -154,11 +170,13 @@ def mixed_attention(
     num_selected: torch.Tensor,
     scale: float,
     plan: AttentionPlan | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `mixed_attention_ref`: one attention launch (+ one merge) for a whole unified batch.
 
     Args: as `mixed_attention_ref` (shapes there); `plan` is the step's `AttentionPlan` (made from the
-    same lengths); None plans here, reading the lengths back to the host (a sync).
+    same lengths and `num_moved = offsets.shape[2]`); None plans here, reading the lengths back to
+    the host (a sync).
 
     Returns:
         `(out [num_tokens, num_q_heads, head_dim] in query.dtype, lse [num_tokens, num_q_heads] fp32)`,
@@ -175,11 +193,12 @@ def mixed_attention(
     if not 0 <= num_full_rows <= num_rows:
         raise ValueError(f"num_full_rows: expected an int in [0, {num_rows}], got {num_full_rows}")
     check_draft_rows(num_rows, recent_start, selected, selection_slot, num_selected, num_kv_heads, device)
+    moved = moved_key_args(offsets, selected, num_kv_heads)
     query, page_table = last_dim_contiguous(query), last_dim_contiguous(page_table)
     if plan is None:
         plan = plan_attention(
             query_start.tolist(), context_lens.tolist(), num_full_rows, num_selected.tolist(), recent_start.tolist(),
-            group=group, num_kv_heads=num_kv_heads, device=device,
+            group=group, num_kv_heads=num_kv_heads, device=device, num_moved=moved["num_moved"],
         )  # fmt: skip
     elif plan.group != group or plan.num_kv_heads != num_kv_heads:
         raise ValueError(
@@ -194,13 +213,14 @@ def mixed_attention(
     config = launch_config("mixed", head_dim)
     _mixed_attention_kernel[(plan.num_work, num_kv_heads)](
         query, k_cache, v_cache, page_table, query_start, context_lens, recent_start, selected, selection_slot,
-        num_selected, plan.work, out, lse, part_out, part_lse,
+        num_selected, moved["ptr"], plan.work, out, lse, part_out, part_lse,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        page_table.stride(0), selected.stride(0), selected.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        scale * LOG2E,
+        page_table.stride(0), selected.stride(0), selected.stride(1), moved["stride_slot"], moved["stride_head"],
+        moved["num_moved"], out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E,
         GROUP=group, BLOCK_M_FULL=plan.block_m_full, BLOCK_N_FULL=config["BLOCK_N_FULL"],
         BLOCK_M_DRAFT=plan.block_m_draft, BLOCK_N_DRAFT=config["BLOCK_N_DRAFT"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
+        MOVED=moved["MOVED"], MOVED_PAD=moved["MOVED_PAD"], SEARCH_STEPS=moved["SEARCH_STEPS"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     merge_splits(plan, part_out, part_lse, out, lse)

@@ -111,8 +111,8 @@ def _full_item(
     num_q = tl.minimum(q_len - q_begin, BLOCK_M // GROUP)
     out, lse = _attend_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr + row.to(tl.int64) * stride_pt_row, page_table_ptr,
-        stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head,
-        q0 + q_begin, num_q, context_len - q_len + q_begin, kv_head, key_begin, key_end, 0, 0, qk_scale,
+        page_table_ptr, stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head,
+        q0 + q_begin, num_q, context_len - q_len + q_begin, kv_head, key_begin, key_end, 0, 0, 0, qk_scale,
         GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION,
     )  # fmt: skip
     if part_row < 0:

@@ -16,6 +16,8 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   `tl.dot` tile, so each K block is read once and reduced over all of the tile's rows in registers.
 - `select_top_keys_into` (`top_keys.py`): the top B of each (row, KV head), straight into the
   selected-index store.
+- `"diagonal"` selection (`moved_keys.py`): the same scoring pass also keeps each (query, head)'s most
+  attended old key (`TRACK_BEST`), and `store_moved_offsets` writes them as offsets into their store.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hf_sparsespec.kernels._checks import (
 )
 from hf_sparsespec.kernels._paging import gather_context
 from hf_sparsespec.kernels.attention_plan import PROGRAMS_PER_SM, num_sms
+from hf_sparsespec.kernels.moved_keys import moved_offsets_ref, store_moved_offsets
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 
 
@@ -97,6 +100,8 @@ def _pillar_scores_kernel(
     lse_ptr,  # [num_tokens, num_q_heads] fp32, natural log
     num_old_keys_ptr,  # [num_rows] int32
     scores_ptr,  # [num_rows, num_kv_heads, width] fp32 (written at j < num_old_keys[row])
+    best_ptr,  # [num_rows, num_kv_heads, num_entries] int64, packed best key per (query, head) (TRACK_BEST)
+    num_entries,  # (k + 1) x group (TRACK_BEST)
     stride_q_tok,
     stride_q_head,
     stride_cache_page,
@@ -106,6 +111,8 @@ def _pillar_scores_kernel(
     stride_lse_tok,
     stride_scores_row,
     stride_scores_head,
+    stride_best_row,
+    stride_best_head,
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -115,6 +122,7 @@ def _pillar_scores_kernel(
     PAGE_SIZE: tl.constexpr,
     KEYS_PER_PROGRAM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TRACK_BEST: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,6 +143,7 @@ def _pillar_scores_kernel(
     page_row_ptr = page_table_ptr + row.to(tl.int64) * stride_pt_row
     k_base = k_cache_ptr + kv_head * stride_cache_head
     score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
+    best_row_ptr = best_ptr + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
     num_q_tiles = tl.maximum(tl.cdiv(q_len, BLOCK_M // GROUP), 1)
     for chunk in range(first_chunk, tl.cdiv(num_old, KEYS_PER_PROGRAM), chunk_step):
         key_lo = chunk * KEYS_PER_PROGRAM
@@ -151,6 +160,7 @@ def _pillar_scores_kernel(
             )  # Q: (BLOCK_M, BLOCK_D)
             lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
             is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
+            best = tl.zeros([BLOCK_M], tl.int64)  # packed (probability bits, 2^31 - 1 - key); 0: none yet
             for start in range(key_lo, key_hi, BLOCK_N):
                 key = start + offs_n  # (BLOCK_N,) positions
                 n_valid = key < key_hi
@@ -164,6 +174,14 @@ def _pillar_scores_kernel(
                     total += tl.load(score_row_ptr + key, mask=n_valid, other=0.0)
                 total = tl.where(is_last, total * inv_count, total)
                 tl.store(score_row_ptr + key, total, mask=n_valid)
+                if TRACK_BEST:
+                    top, arg = tl.max(tl.where(n_valid[None, :], p, -1.0), axis=1, return_indices=True)
+                    packed = (top.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - (start + arg))
+                    best = tl.maximum(best, tl.where(top >= 0.0, packed, 0))
+            if TRACK_BEST:
+                entry = tile_q * GROUP + offs_m % GROUP  # (BLOCK_M,) the (query, head)'s entry of the row's list
+                track = m_valid & (entry < num_entries) & (best > 0)
+                tl.atomic_max(best_row_ptr + entry, best, mask=track)
 
 
 def _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys) -> int:
@@ -192,17 +210,23 @@ def pillar_scores_into(
     scores: torch.Tensor,
     scale: float,
     max_queries: int | None = None,
+    best: torch.Tensor | None = None,
 ) -> None:
     """Triton scores of `pillar_scores_ref` written into `scores [num_rows, num_kv_heads, width]` at
     `j < num_old_keys[r]` (the rest is left as it was). Every other argument as `pillar_scores`;
     `num_old_keys[r] <= width`. `max_queries`: the most queries a row has (a verification block, k + 1),
     which sizes the tile; None: `query`'s tokens spread evenly over the rows. The grid depends only
-    on the shapes (CUDA-graph safe)."""
+    on the shapes (CUDA-graph safe). `best [num_rows, num_kv_heads, (k + 1) x group]` int64 (zeros on
+    entry): also fold each (query, head)'s best old key into it (`moved_keys.py`)."""
     group = _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys)
     num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[2]
     check_tensor("scores", scores, dtypes=(torch.float32,), device=query.device, shape=(num_rows, num_kv_heads, None))
     if scores.stride(-1) != 1:
         raise ValueError(f"scores: expected a unit-stride last dimension, got strides {scores.stride()}")
+    if best is not None:
+        check_tensor("best", best, dtypes=(torch.int64,), device=query.device, shape=(num_rows, num_kv_heads, None))
+        if best.stride(-1) != 1:
+            raise ValueError(f"best: expected a unit-stride last dimension, got strides {best.stride()}")
     if num_rows == 0 or scores.shape[2] == 0:
         return
     num_tokens, _, head_dim = query.shape
@@ -217,11 +241,14 @@ def pillar_scores_into(
     chunk_programs = max(1, min(triton.cdiv(scores.shape[2], keys_per_program), programs // (num_rows * num_kv_heads)))
     _pillar_scores_kernel[(num_rows, num_kv_heads, chunk_programs)](
         query, k_cache, page_table, query_start, lse, num_old_keys, scores,
+        best if best is not None else scores, best.shape[2] if best is not None else 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1), scale * LOG2E,
+        page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1),
+        best.stride(0) if best is not None else 0, best.stride(1) if best is not None else 0, scale * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], KEYS_PER_PROGRAM=keys_per_program,
-        INPUT_PRECISION=dot_precision(query.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )  # fmt: skip
 
 
@@ -290,12 +317,20 @@ def update_selection(
     scores: torch.Tensor,
     scale: float,
     max_queries: int | None = None,
+    offsets: torch.Tensor | None = None,
+    best: torch.Tensor | None = None,
 ) -> None:
     """One layer's PillarAttn refresh on Triton: scores into the workspace `scores [num_rows,
     num_kv_heads, width]`, then the top keys straight into `selected[slots]` (no host syncs).
-    `max_queries`: as in `pillar_scores_into` (the verification block size)."""
-    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries)
+    `max_queries`: as in `pillar_scores_into` (the verification block size). `"diagonal"`: also the
+    moved-key offsets into `offsets[slots]` (`[num_slots, num_kv_heads, num_entries]` int32), through
+    the int64 workspace `best [num_rows, num_kv_heads, num_entries]` (zeros, and left zeroed)."""
+    if (offsets is None) != (best is None):
+        raise ValueError("offsets and best: expected both (the diagonal selection) or neither")
+    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries, best)
     select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
+    if offsets is not None:
+        store_moved_offsets(best, num_old_keys, offsets, slots, query.shape[1] // k_cache.shape[2])
 
 
 def update_selection_ref(
@@ -310,11 +345,16 @@ def update_selection_ref(
     slots: torch.Tensor,
     scores: torch.Tensor | None,
     scale: float,
+    offsets: torch.Tensor | None = None,
 ) -> None:
     """Reference of `update_selection` (and the CPU backend): `selected[slots[r], :, :]` becomes
-    `pillar_select_ref`'s rows (-1 padded). `scores` is unused (the reference allocates its own)."""
+    `pillar_select_ref`'s rows (-1 padded), and, given, `offsets[slots[r]]` `moved_offsets_ref`'s.
+    `scores` is unused (the reference allocates its own)."""
     width = int(num_old_keys.max()) if num_old_keys.numel() else 0
     rows = pillar_select_ref(
         query, k_cache, page_table, query_start, lse, num_old_keys, budgets, width, selected.shape[2], scale
     )
     selected.index_copy_(0, slots.long(), rows)
+    if offsets is not None:
+        moved = moved_offsets_ref(query, k_cache, page_table, query_start, num_old_keys, offsets.shape[2], scale)
+        offsets.index_copy_(0, slots.long(), moved)

@@ -3,7 +3,7 @@ interpreter under `TRITON_INTERPRET=1`).
 
 Per layer: `store_kv`, `mixed_attention(..., plan=p)` (one launch over the step's work list plus one
 merge launch) and, for verification rows, `update_selection` (scores, then the top keys straight into
-the selected-index store). Grids come from the shapes and the plan's capacity, never from lengths
+the selected-index store, and with `offsets` the moved-key offsets). Grids come from the shapes and the plan's capacity, never from lengths
 read back from the device, so a step can be captured in a CUDA graph.
 """
 
@@ -29,22 +29,25 @@ class TritonBackend:
 
     def mixed_attention(
         self, query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows,
-        recent_start, selected, selection_slot, num_selected, scale, plan: AttentionPlan | None = None,
+        recent_start, selected, selection_slot, num_selected, scale, plan: AttentionPlan | None = None, offsets=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         return mixed_attention(
             query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows,
-            recent_start, selected, selection_slot, num_selected, scale, plan=plan,
+            recent_start, selected, selection_slot, num_selected, scale, plan=plan, offsets=offsets,
         )  # fmt: skip
 
     def update_selection(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
-        max_queries=None,
+        max_queries=None, offsets=None, best=None,
     ) -> None:  # fmt: skip
+        num_rows = page_table.shape[0]
         if scores is None:
             width = int(num_old_keys.max()) if num_old_keys.numel() else 0  # a sync: tests and one-off calls
-            scores = torch.empty((page_table.shape[0], k_cache.shape[2], width), dtype=torch.float32, device=query.device)
+            scores = torch.empty((num_rows, k_cache.shape[2], width), dtype=torch.float32, device=query.device)
+        if offsets is not None and best is None:  # tests and one-off calls; the engine passes its workspace
+            best = torch.zeros((num_rows, *offsets.shape[1:]), dtype=torch.int64, device=query.device)
         update_selection(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores,
-                         scale, max_queries)  # fmt: skip
+                         scale, max_queries, offsets, best)  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample(probs, keys)

@@ -1,6 +1,6 @@
 """The engine on the Triton backend (interpreter on CPU): greedy SparseSpec decoding equals plain
 `generate` token for token on a tiny random model, through every kernel (store_kv, mixed attention with
-drafts and verifications, PillarAttn selection)."""
+drafts and verifications, PillarAttn selection, the diagonal selection's moved keys)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import hf_sparsespec  # noqa: F401  (registers the strategy)
 from hf_sparsespec import SparseSpecConfig
 
 
-@pytest.mark.parametrize("selection", ["pillar", "dense"])
+@pytest.mark.parametrize("selection", ["pillar", "diagonal", "dense"])
 def test_greedy_sparsespec_on_triton_backend_matches_generate(device, selection):
     """Dense drafts are the target's own tokens: every draft is accepted, also the speculative first
     draft of each cycle, whose position the device shifts by the accepted count (plan room, clamp)."""
