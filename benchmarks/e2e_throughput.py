@@ -16,8 +16,13 @@ Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per sh
 Per run: tokens/s, ratio to HF static and to our AR mode, mean accepted drafts per cycle, wall ms
 per iteration next to device ms per iteration (CUDA events around each iteration's upload, step and
 result copy), and the ideal iteration time: the larger of (weights + KV each iteration must read) /
-4.26 TB/s and its FLOPs / 790 TFLOP/s, from the iteration's real rows. Prints a table last, writes
-JSON to --out.
+4.26 TB/s and its FLOPs / 790 TFLOP/s, from the iteration's real rows; the seconds until the first
+graph replay (start-up), and tokens/s while the batch is full (up to the first finish with nobody
+waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
+accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
+batch full by continuous batching). Each of our runs is warmed once on the same prompts first (48
+tokens; `--no-warm` times them cold). Prints a table last, writes JSON (with every iteration's rows
+and device ms) to --out.
 
 KV policies (`--kv-policy reserve,dynamic` runs each of our runs under each; `--num-pages` caps the
 pool, `third` = room for the worst cases of a third of the requests): the KV table reports peak pages,
@@ -120,16 +125,29 @@ class IdealCounter:
 
 def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool) -> dict:
     job = prepare_batch(model, prompts, gen_config)
-    engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
+    committed = [0]  # tokens committed so far
+    full_batch = {}  # when the batch stopped being full for good: the first finish with nobody waiting
+
+    def on_tokens(request, tokens):
+        committed[0] += len(tokens)
+
+    def on_finish(request):
+        if not full_batch and not engine.scheduler.waiting:
+            full_batch.update(seconds=time.perf_counter() - start, tokens=committed[0])
+
+    engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker, on_tokens=on_tokens,
+                    on_finish=on_finish)  # fmt: skip
     if config.num_pages is not None and model.device.type == "cuda":
         print(f"  KV pool: {config.num_pages} pages ({config.kv_policy})", flush=True)
     engine.runner.time_iterations = model.device.type == "cuda"
     ideal = IdealCounter(model)
     original = engine.runner.run
     launches = []  # per iteration: (host seconds since the start at its launch, replayed, tokens)
+    row_counts = []  # per iteration: real rows (requests that ran)
 
     def run(batch):
         ideal.observe(batch, pillar)
+        row_counts.append(len(batch.rows))
         replays = engine.runner.counters.graph_replays
         pending = original(batch)
         replayed = engine.runner.counters.graph_replays > replays
@@ -149,8 +167,13 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
     stats = hf_sparsespec.SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in job.requests])
     tokens = sum(len(r.generated) for r in job.requests)
     decode = slice(len(gpu_ms) // 10, None)  # steady state: past the prefill iterations
+    full = full_batch or dict(seconds=seconds, tokens=tokens)
     first_replay = next((i for i, (_, replayed, _) in enumerate(launches) if replayed), len(launches))
     return {
+        # while the batch is full (before its first request finishes with nobody waiting): without the
+        # tail, in which the requests that accept least decode in ever smaller batches
+        "full_batch_seconds": full["seconds"], "full_batch_tokens_per_s": full["tokens"] / full["seconds"],
+        "iteration_rows": row_counts, "iteration_gpu_ms": [round(ms, 3) for ms in gpu_ms],
         "seconds_to_first_replay": launches[first_replay][0] if first_replay < len(launches) else seconds,
         "iterations_before_first_replay": first_replay,
         "first_iterations": [  # where the start-up time goes: (launch s, device ms, replayed, tokens)
@@ -196,23 +219,31 @@ def sync(model) -> None:
         torch.cuda.synchronize()
 
 
-def run_hf_static(model, ids, mask, settings: dict, new_tokens: int) -> dict:
+def run_hf_static(model, prompts, batch: int, pad: int, device, settings: dict, new_tokens: int) -> dict:
+    """`generate` with the static cache, `batch` prompts at a time (warmed on the first batch's shape)."""
+    ids, mask = left_pad(prompts[:batch], pad, device)
     model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static",
                    stopping_criteria=StoppingCriteriaList([StopAfter(12)]), **settings)  # fmt: skip
     sync(model)
-    start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **settings)
+    start, tokens, iterations = time.perf_counter(), 0, 0
+    for begin in range(0, len(prompts), batch):
+        ids, mask = left_pad(prompts[begin : begin + batch], pad, device)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **settings)
+        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        iterations += out.shape[1] - ids.shape[1]
     sync(model)
     seconds = time.perf_counter() - start
-    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": new_tokens,
-            "wall_ms_per_iter": 1000 * seconds / new_tokens}  # fmt: skip
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": iterations,
+            "wall_ms_per_iter": 1000 * seconds / iterations}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256, help="requests decoding at once (max_num_requests)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="prompts in all (default: --batch); more keep the batch full as requests finish "
+                             "(continuous batching; HF static decodes them --batch at a time)")
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--runs", default="hf_static,ar,pillar,streaming")
     parser.add_argument("--min-budget", type=int, default=128)
@@ -228,17 +259,20 @@ def main() -> None:
     parser.add_argument("--no-warm", dest="warm", action="store_false",
                         help="time our runs cold (by default each runs once on the same prompts, 48 tokens, first)")
     args = parser.parse_args()
+    args.requests = args.requests or args.batch
+    if args.requests < args.batch:
+        parser.error(f"--requests ({args.requests}) must be at least --batch ({args.batch})")
 
     started = time.perf_counter()
     if args.gguf is not None:
         model, tokenizer = load_gguf(args.gguf, torch.bfloat16, args.device)
-        prompts = reasoning_prompts(tokenizer, args.batch)
+        prompts = reasoning_prompts(tokenizer, args.requests)
         eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
     else:
         model, tokenizer = random_model(args.random, torch.bfloat16 if args.device == "cuda" else torch.float32,
                                         args.device)  # fmt: skip
         rng = np.random.default_rng(args.seed)
-        prompts = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(100, 250, args.batch)]
+        prompts = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(100, 250, args.requests)]
         eos, pad = None, 0
     name = args.gguf.name if args.gguf is not None else f"random {args.random}"
     print(f"loaded {name} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts", flush=True)
@@ -265,10 +299,10 @@ def main() -> None:
             continue
         torch.manual_seed(args.seed)
         if run == "hf_static":
-            ids, mask = left_pad(prompts, pad or 0, args.device)
-            result = run_hf_static(model, ids, mask, settings, n)
+            result = run_hf_static(model, prompts, args.batch, pad or 0, args.device, settings, n)
         else:
-            config = SparseSpecConfig(min_budget=args.min_budget, kv_policy=policy, **SELECTIONS[run])
+            config = SparseSpecConfig(min_budget=args.min_budget, kv_policy=policy, max_num_requests=args.batch,
+                                      **SELECTIONS[run])  # fmt: skip
             if args.num_pages is not None:
                 pages = args.num_pages
                 pages = pool_for_a_fraction(model, prompts, n, 1 / 3, config) if pages == "third" else int(pages)
@@ -287,7 +321,8 @@ def main() -> None:
                 result["outputs_equal_to_first_policy"] = f"{sum(same)}/{len(same)}"
         report["runs"][label] = result
         print(f"{label}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)
-        (args.out / f"e2e_throughput_{args.batch}x{n}.json").write_text(json.dumps(report, indent=1))
+        suffix = f"_{args.requests}requests" if args.requests != args.batch else ""
+        (args.out / f"e2e_throughput_{args.batch}x{n}{suffix}.json").write_text(json.dumps(report, indent=1))
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
@@ -299,8 +334,9 @@ def main() -> None:
           f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
           f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
-          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | s to first replay |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | s to first replay | "
+          "tok/s while the batch is full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ratio(x, base):
         return f"{x / base:.2f}x" if base else "-"
@@ -317,7 +353,7 @@ def main() -> None:
         print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
               f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
               f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
-              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} | {num(r, 'seconds_to_first_replay', '.1f')} |")  # fmt: skip
+              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} | {num(r, 'seconds_to_first_replay', '.1f')} | {num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
 
     kv_runs = {run: r for run, r in runs.items() if "kv" in r}
     if kv_runs:
