@@ -83,6 +83,8 @@ def main() -> None:
     model, tokenizer = load_gguf(args.gguf, getattr(torch, args.dtype), "cpu")
     print(f"loaded {args.gguf.name} in {time.perf_counter() - started:.0f} s", flush=True)
     if args.export is not None:
+        if getattr(model.config, "quantization_config", None) is not None:  # loaded from the GGUF itself:
+            model, tokenizer = load_gguf(args.gguf, getattr(torch, args.dtype), "cpu")  # rebuilt from the cache
         model.save_pretrained(args.export)
         model.generation_config.save_pretrained(args.export)
         tokenizer.save_pretrained(args.export)
