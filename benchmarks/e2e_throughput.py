@@ -8,7 +8,7 @@ transformers `generate` with the static cache, our autoregressive mode, our Spar
 Every run decodes the same prompts (mmath AIME/MATH, chat template; random ids with `--random`),
 bf16, sampling T=0.65 (top-k and top-p off), a forced length (min_new_tokens = max_new_tokens).
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
-(`num_draft_tokens=0`), `pillar`, `streaming`, `dense`, `ar_compiled` / `pillar_compiled`
+(`num_draft_tokens=0`), `pillar`, `diagonal`, `streaming`, `dense`, `ar_compiled` / `pillar_compiled`
 (`compile_forward=True`, warmed first), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
@@ -69,6 +69,7 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "ar_compiled": dict(num_draft_tokens=0, compile_forward=True),
     "pillar_compiled": dict(compile_forward=True),
     "pillar": dict(),
+    "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),
     "dense": dict(selection="dense"),
     "naive": dict(scheduler="naive", delayed_verification=False, cuda_graphs=False),
@@ -313,7 +314,7 @@ def main() -> None:
                 short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
                 hf_sparsespec.generate_batch(model, prompts, short, config)
                 print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
-            result = run_ours(model, prompts, gen_config, config, pillar=config.selection == "pillar")
+            result = run_ours(model, prompts, gen_config, config, pillar=config.selection in ("pillar", "diagonal"))
             outputs[label] = result.pop("outputs")
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:
