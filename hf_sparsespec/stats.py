@@ -49,6 +49,11 @@ class RequestStats:
         return self.accepted_drafts / self.cycles if self.cycles else 0.0
 
     @property
+    def mean_drafted_per_cycle(self) -> float:
+        """Mean drafts per cycle, m (k, less near the length limit or with adaptive draft lengths)."""
+        return self.drafted_tokens / self.cycles if self.cycles else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted drafts over drafted tokens."""
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -77,6 +82,7 @@ class RequestStats:
             "accepted_drafts": self.accepted_drafts,
             "generated_tokens": self.generated_tokens,
             "mean_accepted_per_cycle": self.mean_accepted_per_cycle,
+            "mean_drafted_per_cycle": self.mean_drafted_per_cycle,
             "acceptance_rate": self.acceptance_rate,
             "accepted_histogram": list(self.accepted_histogram),
             "cycle_accepted": list(self.cycle_accepted),
@@ -160,6 +166,10 @@ class SparseSpecStats:
         return self.total.mean_accepted_per_cycle
 
     @property
+    def mean_drafted_per_cycle(self) -> float:
+        return self.total.mean_drafted_per_cycle
+
+    @property
     def acceptance_rate(self) -> float:
         return self.total.acceptance_rate
 
@@ -176,7 +186,7 @@ class SparseSpecStats:
         rows = [
             ("requests", f"{self.num_requests}"),
             ("generated tokens", f"{total.generated_tokens}"),
-            ("cycles", f"{total.cycles} (k = {k} drafts each)"),
+            ("cycles", f"{total.cycles} (k = {k}; {total.mean_drafted_per_cycle:.2f} drafts per cycle)"),
             ("mean accepted drafts per cycle", f"{self.mean_accepted_per_cycle:.2f} of {k}"),
             ("acceptance rate", f"{self.acceptance_rate:.1%} ({total.accepted_drafts} of {total.drafted_tokens} drafts)"),
         ]
