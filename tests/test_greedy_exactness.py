@@ -36,8 +36,12 @@ def sparsespec(model, ids, mask, max_new_tokens, config, **kwargs):
         SparseSpecConfig(num_draft_tokens=5, min_budget=8, page_size=8, scheduler="naive", delayed_verification=False),
         SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4, selection="diagonal"),
         SparseSpecConfig(num_draft_tokens=7, min_budget=3, page_size=1, selection="diagonal", scheduler="naive"),
+        SparseSpecConfig(num_draft_tokens=8, min_budget=4, budget_ratio=0.05, page_size=4, adaptive_draft_tokens=True),
+        SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=8, scheduler="naive", delayed_verification=False,
+                         adaptive_draft_tokens=True, min_draft_tokens=1),  # fmt: skip
     ],
-    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync", "k4-diagonal", "k7-diagonal-naive"],
+    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync", "k4-diagonal", "k7-diagonal-naive",
+         "k8-adaptive", "k6-adaptive-naive-sync"],  # fmt: skip
 )
 def test_ragged_batch_matches_plain_generate(arch, config):
     model = tiny_model(arch)
@@ -47,6 +51,8 @@ def test_ragged_batch_matches_plain_generate(arch, config):
     assert_greedy_equal(model, expected, out.sequences, mask)
     total = out.sparsespec_stats.total
     assert total.cycles > 0 and total.accepted_drafts < total.drafted_tokens  # sparse drafts were rejected
+    if config.adaptive_draft_tokens:  # rejections shortened cycles (~0.8 k drafts per cycle without adapting)
+        assert total.mean_drafted_per_cycle < 0.6 * config.num_draft_tokens
 
 
 def test_dense_drafting_accepts_every_draft():
