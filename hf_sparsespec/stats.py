@@ -28,11 +28,13 @@ class RequestStats:
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # index a: cycles that accepted a drafts
     cycle_accepted: list[int] = field(default_factory=list)  # accepted drafts of each cycle, in order (per request)
+    cycle_drafted: list[int] = field(default_factory=list)  # drafts of each cycle, m, in order (per request)
 
     def reset(self) -> None:
         self.cycles = self.drafted_tokens = self.accepted_drafts = self.generated_tokens = 0
         self.accepted_histogram = []
         self.cycle_accepted = []
+        self.cycle_drafted = []
 
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
@@ -42,6 +44,7 @@ class RequestStats:
             self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[accepted] += 1
         self.cycle_accepted.append(accepted)
+        self.cycle_drafted.append(drafted)
 
     @property
     def mean_accepted_per_cycle(self) -> float:
@@ -59,7 +62,8 @@ class RequestStats:
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
 
     def merge(self, other: RequestStats) -> None:
-        """Add `other`'s counts (its cycle order, `cycle_accepted`, is not merged)."""
+        """Add `other`'s counts (its cycle order, `cycle_accepted` and `cycle_drafted`, is not
+        merged)."""
         self.cycles += other.cycles
         self.drafted_tokens += other.drafted_tokens
         self.accepted_drafts += other.accepted_drafts
@@ -86,6 +90,7 @@ class RequestStats:
             "acceptance_rate": self.acceptance_rate,
             "accepted_histogram": list(self.accepted_histogram),
             "cycle_accepted": list(self.cycle_accepted),
+            "cycle_drafted": list(self.cycle_drafted),
         }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_greedy_equal, ragged_batch, tiny_model
+from models import assert_greedy_equal, ragged_batch, shortened_cycles, tiny_model
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
@@ -51,8 +51,8 @@ def test_ragged_batch_matches_plain_generate(arch, config):
     assert_greedy_equal(model, expected, out.sequences, mask)
     total = out.sparsespec_stats.total
     assert total.cycles > 0 and total.accepted_drafts < total.drafted_tokens  # sparse drafts were rejected
-    if config.adaptive_draft_tokens:  # rejections shortened cycles (~0.8 k drafts per cycle without adapting)
-        assert total.mean_drafted_per_cycle < 0.6 * config.num_draft_tokens
+    shortened = [shortened_cycles(s, config.num_draft_tokens, 40) for s in out.sparsespec_stats.per_request]
+    assert any(shortened) if config.adaptive_draft_tokens else not any(shortened)  # rejections shortened cycles
 
 
 def test_dense_drafting_accepts_every_draft():
