@@ -100,8 +100,13 @@ def simulate(config: SparseSpecConfig, specs: dict[int, tuple[int, int]], num_sl
                     scheduler.finish(request, "length")
                 else:
                     request.generated.extend([0] * kept)
+                    speculated = request.speculated_iteration >= 0
                     scheduler.commit_verification(request, kept)
                     scheduler.start_cycle(request, scheduler.iteration)
+                    remaining = request.max_total_len - request.num_committed
+                    # the next cycle: within [min, k] but for the length limit; a speculative first draft counted
+                    assert min(low, remaining - 1) <= request.cycle_drafts <= min(k, remaining - 1)
+                    assert request.drafts_done == (1 if speculated and remaining > 1 else 0)
             check_buckets(scheduler)
 
     pending: deque = deque()
