@@ -40,8 +40,9 @@ class SparseSpecConfig:
             with the same paged cache, kernels and graphs: the baseline SparseSpec is measured against.
             With `adaptive_draft_tokens` it is the longest cycle a request may draft (the buffers' size).
         adaptive_draft_tokens: each request picks its cycle's number of drafts m in
-            [`min_draft_tokens`, k] from its own last verification (`scheduler.adapt_draft_length`): it starts at k; a verification that accepted all of its m drafts lengthens
-            the next cycle by one, one that accepted a < m/2 of them shortens it to max(min, a + 1).
+            [`min_draft_tokens`, k] from its own last verification (`scheduler.adapt_draft_length`):
+            it starts at k; a verification that accepted all of its m drafts lengthens the next
+            cycle by one, one that accepted a < m/2 of them shortens it to max(min, a + 1).
             Verification is unchanged (lossless), and the choice depends on the request alone, so its
             output still does not depend on the batch. Off by default until measured on a GPU
             (docs/measurements.md 5).

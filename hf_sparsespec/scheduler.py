@@ -31,8 +31,9 @@ Adaptive draft lengths (`adaptive_draft_tokens`, `adapt_draft_length`): each req
 cycle's m from its own last verification, so its cycles stay a function of the request alone. Its
 verifications then no longer repeat with period k+1: the buckets (`verify_residues`, keyed by iteration
 mod k+1) count exactly where every request's *next* verification falls, and joining balances that
-next verification only; later ones drift with the request's lengths (which spreads requests over the
-buckets rather than piling them up; `naive` stops being lockstep after the first short cycle).
+next verification only; later ones drift with the request's own lengths, so the buckets are balanced
+when requests join, and afterwards only as far as independent drifts keep them (an approximation;
+`naive` stops being lockstep after the first short cycle).
 
 KV pages (`kv_manager.KVManager`): before the rows of an iteration are built, the KV manager makes
 the pages they need free, offloading whole requests to the host if it must; an offloaded request
