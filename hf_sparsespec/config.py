@@ -38,6 +38,16 @@ class SparseSpecConfig:
         num_draft_tokens: k, the number of sparse draft steps between two full verifications; 0 runs
             plain autoregressive decoding (one token per request per iteration) in the same engine,
             with the same paged cache, kernels and graphs: the baseline SparseSpec is measured against.
+            With `adaptive_draft_tokens` it is the longest cycle a request may draft (the buffers' size).
+        adaptive_draft_tokens: each request picks its cycle's number of drafts m in
+            [`min_draft_tokens`, k] from its own last verification (`scheduler.adapt_draft_length`):
+            it starts at k; a verification that accepted all of its m drafts lengthens the next
+            cycle by one, one that accepted a < m/2 of them shortens it to max(min, a + 1).
+            Verification is unchanged (lossless), and the choice depends on the request alone, so its
+            output still does not depend on the batch. Off by default until measured on a GPU
+            (docs/measurements.md 5).
+        min_draft_tokens: the fewest drafts an adaptive cycle drafts (1 <= min <= k); also the
+            floor that keeps a speculative first draft (delayed verification) inside its cycle.
         budget_ratio: fraction of the context each draft step reads, besides the recent window.
             The per-request budget is `B = max(min_budget, ceil(budget_ratio * kv_len))` keys per
             (layer, KV head).
@@ -90,6 +100,8 @@ class SparseSpecConfig:
     """
 
     num_draft_tokens: int = 8
+    adaptive_draft_tokens: bool = False
+    min_draft_tokens: int = 2
     budget_ratio: float = 0.05
     min_budget: int = 128
     scheduler: Literal["unified", "naive"] = "unified"
@@ -110,6 +122,16 @@ class SparseSpecConfig:
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
+        if not isinstance(self.adaptive_draft_tokens, bool):
+            raise ValueError(
+                f"SparseSpecConfig.adaptive_draft_tokens must be a bool, got {self.adaptive_draft_tokens!r}"
+            )
+        if self.adaptive_draft_tokens:
+            if self.num_draft_tokens == 0:
+                raise ValueError("SparseSpecConfig.adaptive_draft_tokens needs num_draft_tokens >= 1, got 0")
+            _check_int("min_draft_tokens", self.min_draft_tokens, 1, self.num_draft_tokens)
+        else:
+            _check_int("min_draft_tokens", self.min_draft_tokens, 1)
         if not isinstance(self.budget_ratio, (int, float)) or isinstance(self.budget_ratio, bool):
             raise ValueError(f"SparseSpecConfig.budget_ratio must be a float, got {self.budget_ratio!r}")
         if not (0.0 < self.budget_ratio <= 1.0) or math.isnan(self.budget_ratio):

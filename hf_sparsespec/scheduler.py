@@ -2,7 +2,8 @@
 
 A request's life: WAITING -> PREFILL (one or more chunks) -> a cycle repeated until it stops:
 
-    DRAFT x m  (one token per iteration, sparse attention; m = k, or fewer near the length limit)
+    DRAFT x m  (one token per iteration, sparse attention; m = k, or the request's adaptive length
+                in [min_draft_tokens, k], never more than the length limit leaves)
     VERIFY     (the last committed token + the m drafts, full attention; PillarAttn selects keys)
     VERIFYING  (the host has not read the verification yet. With delayed verification the request
                 drafts the next cycle's first token in the next iteration anyway, *speculatively*:
@@ -26,6 +27,14 @@ request's cycles (which positions are drafted, where verifications fall) a funct
 alone, whatever else is in the batch: with keyed sampling noise (`sampling.sample_keys`) its sampled
 output does not depend on admission order, batch size or offloads.
 
+Adaptive draft lengths (`adaptive_draft_tokens`, `adapt_draft_length`): each request picks every
+cycle's m from its own last verification, so its cycles stay a function of the request alone. Its
+verifications then no longer repeat with period k+1: the buckets (`verify_residues`, keyed by iteration
+mod k+1) count exactly where every request's *next* verification falls, and joining balances that
+next verification only; later ones drift with the request's own lengths, so the buckets are balanced
+when requests join, and afterwards only as far as independent drifts keep them (an approximation;
+`naive` stops being lockstep after the first short cycle).
+
 KV pages (`kv_manager.KVManager`): before the rows of an iteration are built, the KV manager makes
 the pages they need free, offloading whole requests to the host if it must; an offloaded request
 keeps its phase and gets no rows until it is restored. Admission asks the KV manager too.
@@ -45,6 +54,18 @@ from hf_sparsespec.cache.page_allocator import PageAllocator
 from hf_sparsespec.config import SparseSpecConfig
 from hf_sparsespec.kv_manager import KVManager
 from hf_sparsespec.stats import RequestStats
+
+
+def adapt_draft_length(target: int, drafted: int, accepted: int, low: int, high: int) -> int:
+    """The next cycle's draft length from the last verification's: all `drafted` drafts accepted
+    lengthens it by one (to at most `high`), fewer than half of them shortens it to `accepted + 1` (to at
+    least `low`), anything in between keeps it. `target` is the length the request asked for, `drafted`
+    what its cycle drafted (fewer near the length limit)."""
+    if accepted >= drafted:
+        return min(high, target + 1)
+    if 2 * accepted < drafted:
+        return max(low, min(target, accepted + 1))
+    return target
 
 
 class Phase(enum.Enum):
@@ -84,6 +105,7 @@ class Request:
     num_committed: int = 0
     generated: list[int] = field(default_factory=list)
     cycle_drafts: int = 0  # m: drafts of the current cycle
+    draft_target: int = 0  # drafts of the next cycle the length limit does not cut (k, or the adaptive length)
     drafts_done: int = 0
     recent_start: int = 0  # first position of the recent window (0 before the first verification)
     num_selected: int = 0  # selected keys per (layer, KV head) for the current cycle's drafts
@@ -145,6 +167,8 @@ class Scheduler:
         self.kv = kv if kv is not None else KVManager(config, allocator, host=None)
         self.k = config.num_draft_tokens
         self.autoregressive = self.k == 0
+        self.adaptive = config.adaptive_draft_tokens
+        self.min_drafts = config.min_draft_tokens
         # iterations per cycle in steady state: k drafts (the first one speculative when delayed), one verification
         self.cycle_length = self.k + 1
         self.speculate = config.delayed_verification and not self.autoregressive
@@ -277,10 +301,13 @@ class Scheduler:
     def start_cycle(self, request: Request, first_draft_iteration: int, first: bool = False) -> None:
         """Begin drafting at `first_draft_iteration` (the first cycle: up to a cycle later, to join a
         phase bucket). A cycle commits at most m + 1 tokens, so m stays below what the request may
-        still commit. A cycle whose first draft already ran speculatively counts it; with no room left
-        for a draft (one token to go) the speculative draft is dropped and the cycle verifies at once."""
+        still commit. A cycle whose first draft already ran speculatively counts it (an adaptive m is
+        at least min_draft_tokens >= 1, so it has room for it); with no room left for a draft (one
+        token to go) the speculative draft is dropped and the cycle verifies at once."""
+        if first:
+            request.draft_target = self.k
         remaining = request.max_total_len - request.num_committed
-        drafts = max(min(self.k, remaining - 1), 0)
+        drafts = max(min(request.draft_target, remaining - 1), 0)
         drafts_done = 0
         if request.speculated_iteration >= 0 and drafts > 0:
             first_draft_iteration, drafts_done = request.speculated_iteration, 1
@@ -320,7 +347,12 @@ class Scheduler:
     # --- results --------------------------------------------------------------------------------
     def commit_verification(self, request: Request, kept: int) -> None:
         """The host read a verification: `kept` tokens (accepted drafts + one) were committed. The
-        next cycle drafts from the selection the verification made, over the window it opened."""
+        next cycle drafts from the selection the verification made, over the window it opened; with
+        adaptive drafting, its length follows from this verification's acceptance."""
+        if self.adaptive:
+            request.draft_target = adapt_draft_length(
+                request.draft_target, request.pending_drafts, kept - 1, self.min_drafts, self.k
+            )
         request.num_committed += kept
         request.recent_start = request.pending_recent_start
         request.num_selected = request.pending_budget

@@ -28,11 +28,13 @@ class RequestStats:
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # index a: cycles that accepted a drafts
     cycle_accepted: list[int] = field(default_factory=list)  # accepted drafts of each cycle, in order (per request)
+    cycle_drafted: list[int] = field(default_factory=list)  # drafts of each cycle, m, in order (per request)
 
     def reset(self) -> None:
         self.cycles = self.drafted_tokens = self.accepted_drafts = self.generated_tokens = 0
         self.accepted_histogram = []
         self.cycle_accepted = []
+        self.cycle_drafted = []
 
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
@@ -42,6 +44,7 @@ class RequestStats:
             self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[accepted] += 1
         self.cycle_accepted.append(accepted)
+        self.cycle_drafted.append(drafted)
 
     @property
     def mean_accepted_per_cycle(self) -> float:
@@ -49,12 +52,18 @@ class RequestStats:
         return self.accepted_drafts / self.cycles if self.cycles else 0.0
 
     @property
+    def mean_drafted_per_cycle(self) -> float:
+        """Mean drafts per cycle, m (k, less near the length limit or with adaptive draft lengths)."""
+        return self.drafted_tokens / self.cycles if self.cycles else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted drafts over drafted tokens."""
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
 
     def merge(self, other: RequestStats) -> None:
-        """Add `other`'s counts (its cycle order, `cycle_accepted`, is not merged)."""
+        """Add `other`'s counts (its cycle order, `cycle_accepted` and `cycle_drafted`, is not
+        merged)."""
         self.cycles += other.cycles
         self.drafted_tokens += other.drafted_tokens
         self.accepted_drafts += other.accepted_drafts
@@ -77,9 +86,11 @@ class RequestStats:
             "accepted_drafts": self.accepted_drafts,
             "generated_tokens": self.generated_tokens,
             "mean_accepted_per_cycle": self.mean_accepted_per_cycle,
+            "mean_drafted_per_cycle": self.mean_drafted_per_cycle,
             "acceptance_rate": self.acceptance_rate,
             "accepted_histogram": list(self.accepted_histogram),
             "cycle_accepted": list(self.cycle_accepted),
+            "cycle_drafted": list(self.cycle_drafted),
         }
 
 
@@ -160,6 +171,10 @@ class SparseSpecStats:
         return self.total.mean_accepted_per_cycle
 
     @property
+    def mean_drafted_per_cycle(self) -> float:
+        return self.total.mean_drafted_per_cycle
+
+    @property
     def acceptance_rate(self) -> float:
         return self.total.acceptance_rate
 
@@ -176,7 +191,7 @@ class SparseSpecStats:
         rows = [
             ("requests", f"{self.num_requests}"),
             ("generated tokens", f"{total.generated_tokens}"),
-            ("cycles", f"{total.cycles} (k = {k} drafts each)"),
+            ("cycles", f"{total.cycles} (k = {k}; {total.mean_drafted_per_cycle:.2f} drafts per cycle)"),
             ("mean accepted drafts per cycle", f"{self.mean_accepted_per_cycle:.2f} of {k}"),
             ("acceptance rate", f"{self.acceptance_rate:.1%} ({total.accepted_drafts} of {total.drafted_tokens} drafts)"),
         ]

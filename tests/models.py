@@ -109,3 +109,13 @@ def assert_greedy_equal(
         )
         ties += 1
     return ties
+
+
+def shortened_cycles(stats, k: int, max_new_tokens: int) -> int:
+    """Cycles of one request (`RequestStats`) that drafted fewer than k for another reason than the length
+    limit (k drafts, or as many as leave room for the cycle's last token): adaptive draft lengths."""
+    generated, shortened = 1, 0  # the first token comes from the prefill
+    for drafted, accepted in zip(stats.cycle_drafted, stats.cycle_accepted):
+        shortened += drafted < min(k, max_new_tokens - generated - 1)
+        generated += accepted + 1
+    return shortened

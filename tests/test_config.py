@@ -29,6 +29,8 @@ def test_defaults():
         ("budget_ratio", float("nan"), r"budget_ratio must be in \(0, 1\], got nan"),
         ("budget_ratio", "0.1", r"budget_ratio must be a float, got '0.1'"),
         ("min_budget", 0, r"min_budget must be >= 1, got 0"),
+        ("min_draft_tokens", 0, r"min_draft_tokens must be >= 1, got 0"),
+        ("adaptive_draft_tokens", "on", r"adaptive_draft_tokens must be a bool, got 'on'"),
         ("scheduler", "lockstep", r"scheduler must be one of \('unified', 'naive'\), got 'lockstep'"),
         ("selection", "oracle", r"selection must be one of \('pillar', 'diagonal', 'streaming', 'dense'\), got 'oracle'"),
         ("selection", "Diagonal", r"selection must be one of .*, got 'Diagonal'"),

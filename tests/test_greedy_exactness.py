@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_greedy_equal, ragged_batch, tiny_model
+from models import assert_greedy_equal, ragged_batch, shortened_cycles, tiny_model
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
@@ -36,8 +36,13 @@ def sparsespec(model, ids, mask, max_new_tokens, config, **kwargs):
         SparseSpecConfig(num_draft_tokens=5, min_budget=8, page_size=8, scheduler="naive", delayed_verification=False),
         SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4, selection="diagonal"),
         SparseSpecConfig(num_draft_tokens=7, min_budget=3, page_size=1, selection="diagonal", scheduler="naive"),
+        SparseSpecConfig(num_draft_tokens=8, min_budget=4, budget_ratio=0.05, page_size=4, adaptive_draft_tokens=True),
+        SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=8, scheduler="naive", delayed_verification=False,
+                         adaptive_draft_tokens=True, min_draft_tokens=1),  # fmt: skip
+        SparseSpecConfig(num_draft_tokens=5, min_budget=3, page_size=2, selection="diagonal", adaptive_draft_tokens=True),
     ],
-    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync", "k4-diagonal", "k7-diagonal-naive"],
+    ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync", "k4-diagonal", "k7-diagonal-naive",
+         "k8-adaptive", "k6-adaptive-naive-sync", "k5-diagonal-adaptive"],  # fmt: skip
 )
 def test_ragged_batch_matches_plain_generate(arch, config):
     model = tiny_model(arch)
@@ -47,6 +52,8 @@ def test_ragged_batch_matches_plain_generate(arch, config):
     assert_greedy_equal(model, expected, out.sequences, mask)
     total = out.sparsespec_stats.total
     assert total.cycles > 0 and total.accepted_drafts < total.drafted_tokens  # sparse drafts were rejected
+    shortened = [shortened_cycles(s, config.num_draft_tokens, 40) for s in out.sparsespec_stats.per_request]
+    assert any(shortened) if config.adaptive_draft_tokens else not any(shortened)  # rejections shortened cycles
 
 
 def test_dense_drafting_accepts_every_draft():

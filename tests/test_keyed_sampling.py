@@ -133,16 +133,19 @@ def test_keyed_rejection_sampling_reproduces_the_target_distribution():
     assert 0.2 < accepted.float().mean() / k < 0.9
 
 
-def test_sampled_outputs_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
+def test_sampled_outputs_do_not_depend_on_the_batch(adaptive):
     """Same seed: each request's sampled tokens are the same whether it runs with 7 others, with at
-    most 3 at a time, under a tight page pool, with the naive scheduler, or without delayed verification."""
+    most 3 at a time, under a tight page pool, with the naive scheduler, or without delayed verification;
+    with adaptive draft lengths too (each request's lengths follow its own acceptance)."""
     model = tiny_model("llama")
     prompts = [[5, 17, 3], [9] * 11, [40, 41, 42, 43, 44, 45, 46], [2], [8, 9], [30, 31, 32, 33], [60] * 5, [1, 2, 3]]
     gc = GenerationConfig(max_new_tokens=30, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=None)
 
     def generated(**overrides):
         torch.manual_seed(3)
-        config = SparseSpecConfig(**{"num_draft_tokens": 4, "min_budget": 4, "page_size": 4, **overrides})
+        config = SparseSpecConfig(**{"num_draft_tokens": 4, "min_budget": 4, "page_size": 4,
+                                     "adaptive_draft_tokens": adaptive, **overrides})  # fmt: skip
         return [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc, config)]
 
     reference = generated()

@@ -187,13 +187,15 @@ def test_slow_copies_keep_pages_in_transit_until_ordered(model, batch, unpressur
     assert (seen["done"] == 0) if synchronous else (seen["done"] > 0), seen  # and after copies done, unless TP
 
 
-def test_sampled_under_pressure_equals_unpressured(model, batch):
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
+def test_sampled_under_pressure_equals_unpressured(model, batch, adaptive):
     """Same seed, same samples: each draw's noise is keyed by (request, position, purpose) and a request's
-    cycles do not depend on when it runs (`sampling.sample_keys`, `Scheduler._join`)."""
+    cycles (adaptive lengths too) do not depend on when it runs (`sampling.sample_keys`, `Scheduler._join`)."""
     ids, mask = batch
     kwargs = dict(do_sample=True, temperature=0.8, top_k=30, top_p=0.95)
     outputs = []
-    for cfg in (config(), config(num_pages=POOL), config(num_pages=POOL, kv_policy="reserve")):
+    for extra in ({}, dict(num_pages=POOL), dict(num_pages=POOL, kv_policy="reserve")):
+        cfg = config(adaptive_draft_tokens=adaptive, **extra)
         torch.manual_seed(11)
         outputs.append(run(model, ids, mask, cfg, **kwargs))
     free, pressured, reserved = outputs
@@ -201,6 +203,7 @@ def test_sampled_under_pressure_equals_unpressured(model, batch):
     assert pressured.sequences.tolist() == free.sequences.tolist() == reserved.sequences.tolist()
     for a, b in zip(free.sparsespec_stats.per_request, pressured.sparsespec_stats.per_request):
         assert a.cycle_accepted == b.cycle_accepted  # the same drafts were accepted, cycle by cycle
+        assert a.cycle_drafted == b.cycle_drafted
 
 
 def test_unpressured_run_never_offloads(unpressured):

@@ -38,7 +38,7 @@ def _merged_stats(requests: list[dict], k: int) -> dict:
         stats = RequestStats(
             cycles=data["cycles"], drafted_tokens=data["drafted_tokens"], accepted_drafts=data["accepted_drafts"],
             generated_tokens=data["generated_tokens"], accepted_histogram=list(data["accepted_histogram"]),
-            cycle_accepted=list(data["cycle_accepted"]),
+            cycle_accepted=list(data["cycle_accepted"]), cycle_drafted=list(data.get("cycle_drafted", [])),
         )
         per_request.append(stats)
     return SparseSpecStats.from_requests(k, per_request).as_dict()
