@@ -59,6 +59,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.attention import use_attention
+from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 
@@ -314,7 +315,7 @@ def main() -> None:
                 short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
                 hf_sparsespec.generate_batch(model, prompts, short, config)
                 print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
-            result = run_ours(model, prompts, gen_config, config, pillar=config.selection in ("pillar", "diagonal"))
+            result = run_ours(model, prompts, gen_config, config, pillar=config.selection in SCORED_SELECTIONS)
             outputs[label] = result.pop("outputs")
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:

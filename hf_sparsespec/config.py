@@ -13,6 +13,7 @@ from typing import Literal
 
 SCHEDULER_POLICIES = ("unified", "naive")
 SELECTION_POLICIES = ("pillar", "diagonal", "streaming", "dense")
+SCORED_SELECTIONS = ("pillar", "diagonal")  # made from the verifications' exact attention scores
 BACKENDS = ("auto", "torch", "triton")
 KV_POLICIES = ("dynamic", "reserve")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_sparsespec.batch import HostBatch, StepShape
+from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
@@ -97,6 +98,7 @@ class ModelRunner:
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
         self.cache_kwarg, self.logits_to_keep, self.max_context = cache_kwarg, logits_to_keep, max_context
+        self.scores_verify_rows = selection in SCORED_SELECTIONS and k > 0
         # tensor parallelism: every process runs this engine on its share of the heads; the sampled
         # tokens and acceptances of the group's first process are everyone's (broadcast)
         self.tp_group = tp_group
@@ -125,7 +127,7 @@ class ModelRunner:
             num_q_heads, head_dim, part_rows = cache.num_kv_heads * group, cache.head_dim, largest.plan.num_part_rows
             self.part_out = torch.empty((part_rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
             self.part_lse = torch.empty((part_rows, num_q_heads), dtype=torch.float32, device=device)
-            if selection in ("pillar", "diagonal") and k > 0:
+            if self.scores_verify_rows:
                 shape = (largest.num_verify_rows, cache.num_kv_heads, history_width)
                 self.scores = torch.empty(shape, dtype=torch.float32, device=device)
         self.best = None  # the diagonal selection's workspace (Triton): zeros, and zeroed again after each use
@@ -308,7 +310,7 @@ class ModelRunner:
             budgets=f["budget"],
             verify_slots=f["verify_slot"].long(),
             scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
-            score_verify_rows=self.selection in ("pillar", "diagonal") and self.k > 0,
+            score_verify_rows=self.scores_verify_rows,
             best=self.best[: shape.num_verify_rows] if self.best is not None else None,
             max_context=self.max_context,
             compiled=compiled,
