@@ -1,21 +1,29 @@
-"""Where an iteration's device time goes: a torch.profiler trace of steady-state decode iterations.
+"""Where an iteration's device time goes: steady-state decode iterations timed and profiled, several
+engine configurations side by side in one process (random weights of a real shape, or a GGUF).
 
-    python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --k 8 [--graphs]
+    python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --runs ar,pillar,ar_compiled,pillar_compiled
+    python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 64 --prompt-tokens 4000 --runs ar,pillar
 
-Runs the engine to a steady state (after prefill), then profiles `--iterations` iterations and prints
-the kernels by total device time (per iteration), the sum of kernel times per iteration, and the
-host time per iteration. Eager iterations (default) show every kernel; with `--graphs` the replays
-are profiled as the profiler sees them.
+Per run (names as in e2e_throughput.py; graphs on unless the run turns them off): the engine decodes
+to a steady state (after prefill and `--warm-iterations` iterations, which compile kernels and
+capture graphs), then `--iterations` iterations are timed (wall time of `step()` and CUDA-event device
+time of each iteration) and, with `--profile`, traced by torch.profiler: the kernels by device time per
+iteration. The cost of an iteration does not depend on the weights (random weights accept few
+drafts, but the unified scheduler's mix of verifications and drafts per iteration is the same).
+Prints a table last; `--out` writes it as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
+from e2e_throughput import SELECTIONS
 from loading import add_model_arguments, load_gguf, random_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
@@ -26,16 +34,90 @@ from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 
 
+def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(kernel ms per iteration, launches per iteration, [(kernel, ms / iter, launches / iter)] by time)."""
+    totals, counts = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time_total / 1000
+            counts[event.name] += 1
+    rows = sorted(((name, total / iterations, counts[name] / iterations) for name, total in totals.items()),
+                  key=lambda row: -row[1])  # fmt: skip
+    return sum(totals.values()) / iterations, sum(counts.values()) / iterations, rows
+
+
+def measure(model, prompts, args, run: str) -> dict:
+    n = args.new_tokens
+    gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                           eos_token_id=None, pad_token_id=0)  # fmt: skip
+    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run]
+    config = SparseSpecConfig(**fields)
+    job = prepare_batch(model, prompts, gen)
+    engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
+    runner = engine.runner
+    result = dict(run=run, batch=len(prompts), k=config.num_draft_tokens, compile_forward=config.compile_forward)
+    with use_attention(model), torch.no_grad():
+        began = time.perf_counter()
+        for _ in range(args.warm_iterations):
+            engine.step()
+        torch.cuda.synchronize()
+        result["warm_seconds"] = time.perf_counter() - began
+        runner.time_iterations = True
+        runner.counters.iteration_events.clear()
+        replays, eager = runner.counters.graph_replays, runner.counters.eager_iterations
+        rows, wall = [], []
+        began = time.perf_counter()
+        for _ in range(args.iterations):
+            start = time.perf_counter()
+            engine.step()
+            wall.append(1000 * (time.perf_counter() - start))
+            if engine.pending:
+                shape = engine.pending[-1].batch.shape
+                rows.append((shape.num_tokens, shape.num_verify_rows, shape.num_draft_rows))
+        torch.cuda.synchronize()
+        result["wall_ms_per_iteration"] = 1000 * (time.perf_counter() - began) / args.iterations
+        gpu = runner.counters.gpu_milliseconds()
+        runner.time_iterations = False
+        result["gpu_ms_per_iteration"] = float(np.mean(gpu))
+        result["step_host_ms_median"] = float(np.median(wall))
+        result["replays"] = runner.counters.graph_replays - replays
+        result["eager"] = runner.counters.eager_iterations - eager
+        tokens, verify, draft = np.array(rows).mean(axis=0) if rows else (0, 0, 0)
+        result |= dict(padded_tokens=float(tokens), verify_rows=float(verify), draft_rows=float(draft))
+        if args.profile:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.profile_iterations):
+                    engine.step()
+                torch.cuda.synchronize()
+            kernel_ms, launches, table = kernel_table(prof, args.profile_iterations)
+            result |= dict(
+                kernel_ms_per_iteration=kernel_ms, launches_per_iteration=launches, kernels=table[: args.top]
+            )
+    result["graphs_captured"] = runner.counters.graphs_captured
+    del engine, job
+    torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--warm-iterations", type=int, default=40)
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--graphs", action="store_true")
-    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--runs", default="ar,pillar")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="prompt length (0: 100-250 tokens, as the mmath prompts); long prompts emulate late decoding",
+    )
+    parser.add_argument("--new-tokens", type=int, default=400)
+    parser.add_argument("--warm-iterations", type=int, default=60)
+    parser.add_argument("--iterations", type=int, default=36)
+    parser.add_argument("--profile", action="store_true", help="also trace kernels (torch.profiler)")
+    parser.add_argument("--profile-iterations", type=int, default=9)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     if args.gguf is not None:
@@ -43,39 +125,36 @@ def main() -> None:
     else:
         model, _ = random_model(args.random, torch.bfloat16, "cuda")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(100, 250, args.batch)]
-    n = args.new_tokens
-    gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
-                           eos_token_id=None, pad_token_id=0)  # fmt: skip
-    config = SparseSpecConfig(num_draft_tokens=args.k, min_budget=128, cuda_graphs=args.graphs)
-    for _ in range(2):  # the first pass compiles kernels and captures graphs
-        job = prepare_batch(model, prompts, gen)
-        engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
-        host_ms = []
-        with use_attention(model), torch.no_grad():
-            for _ in range(args.warm_iterations):
-                engine.step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.iterations):
-                    start = time.perf_counter()
-                    engine.step()
-                    host_ms.append(1000 * (time.perf_counter() - start))
-                torch.cuda.synchronize()
-            while engine.scheduler.has_work or engine.pending:
-                engine.step()
-    totals, counts = defaultdict(float), defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time_total / 1000
-            counts[event.name] += 1
-    per_iter = sum(totals.values()) / args.iterations
-    print(f"\nbatch {args.batch}, k={args.k}, graphs={args.graphs}: {per_iter:.2f} ms of kernels per iteration, "
-          f"host {np.median(host_ms):.2f} ms per step() (median); {len(counts)} kernel names, "
-          f"{sum(counts.values()) / args.iterations:.0f} launches per iteration")  # fmt: skip
-    print("| kernel | ms / iter | launches / iter |\n|---|---|---|")
-    for name, total in sorted(totals.items(), key=lambda item: -item[1])[: args.top]:
-        print(f"| {name[:90]} | {total / args.iterations:.3f} | {counts[name] / args.iterations:.0f} |")
+    lengths = [args.prompt_tokens] * args.batch if args.prompt_tokens else rng.integers(100, 250, args.batch)
+    prompts = [rng.integers(1, 1000, int(n)).tolist() for n in lengths]
+    results = []
+    for run in args.runs.split(","):
+        result = measure(model, prompts, args, run)
+        results.append(result)
+        if args.profile:
+            print(f"\n{run}: {result['kernel_ms_per_iteration']:.2f} ms of kernels, "
+                  f"{result['launches_per_iteration']:.0f} launches per iteration")  # fmt: skip
+            print("| kernel | ms / iter | launches / iter |\n|---|---|---|")
+            for name, ms, launches in result["kernels"]:
+                print(f"| {name[:100]} | {ms:.3f} | {launches:.0f} |")
+        print(json.dumps({key: value for key, value in result.items() if key != "kernels"}), flush=True)
+    print(f"\nbatch {args.batch}, prompts {args.prompt_tokens or '100-250'} tokens, {args.iterations} timed iterations")
+    print(
+        "| run | padded tokens (verify / draft rows) | wall ms / iter | GPU ms / iter | host ms / step (median) "
+        "| replays / eager | kernels ms / launches |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        kernels = f"{r['kernel_ms_per_iteration']:.2f} / {r['launches_per_iteration']:.0f}" if args.profile else "-"
+        print(f"| {r['run']} | {r['padded_tokens']:.0f} ({r['verify_rows']:.0f} / {r['draft_rows']:.0f}) "
+              f"| {r['wall_ms_per_iteration']:.2f} | {r['gpu_ms_per_iteration']:.2f} | "
+              f"{r['step_host_ms_median']:.2f} | {r['replays']} / {r['eager']} | {kernels} |")  # fmt: skip
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"profile_step_{args.random or Path(args.gguf).stem}_{args.batch}x{args.prompt_tokens or 'short'}.json"
+        (args.out / name).write_text(
+            json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=1)
+        )
 
 
 if __name__ == "__main__":
