@@ -71,11 +71,13 @@ def update_selection(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, budgets: torch.Tensor, selected: torch.Tensor, layer: int,
     slots: torch.Tensor, scores: torch.Tensor | None, scale: float, max_queries: int, backend: str,
-    moved_offsets: torch.Tensor | None = None, best: torch.Tensor | None = None,
+    moved_offsets: torch.Tensor | None, best: torch.Tensor | None,
 ) -> None:  # fmt: skip
     """Writes `selected[layer]` (and `moved_offsets[layer]`, the diagonal selection's; `best` is its
     workspace); the whole stores are the mutated arguments: a compiled graph loses mutations of a
-    view of a tensor it did not receive as an input."""
+    view of a tensor it did not receive as an input. The optional mutated arguments have no defaults:
+    torch 2.10-2.11 drop arguments equal to their defaults and then fail to find them
+    (IndexError, pytorch/pytorch#176078)."""
     _backend(backend, query.device).update_selection(
         query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected[layer], slots, scores, scale,
         max_queries, offsets=moved_offsets[layer] if moved_offsets is not None else None, best=best,
@@ -84,5 +86,5 @@ def update_selection(
 
 @update_selection.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, layer, slots, scores, scale,
-      max_queries, backend, moved_offsets=None, best=None):  # fmt: skip
+      max_queries, backend, moved_offsets, best):  # fmt: skip
     return None

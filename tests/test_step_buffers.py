@@ -338,8 +338,9 @@ def test_autoregressive_mode_stops_at_eos_with_iterations_in_flight():
 
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("selection", ["pillar", "diagonal"])
-def test_compiled_forward_equals_eager(selection):
+def test_compiled_forward_equals_eager(selection, backend):
     """`compile_forward`: the padded decode iterations' forward through torch.compile (the attention
     ops as custom ops, the diagonal selection's offsets store among their arguments) gives the same
     tokens and the same acceptance as the eager forward."""
@@ -348,7 +349,7 @@ def test_compiled_forward_equals_eager(selection):
     runs = []
     for compile_forward in (False, True):
         config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=compile_forward,
-                                  selection=selection)  # fmt: skip
+                                  selection=selection, backend=backend)  # fmt: skip
         engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=20)
         runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
     assert runs[0] == runs[1]
