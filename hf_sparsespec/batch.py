@@ -90,13 +90,22 @@ class StepShape:
         return sum(n for _, n in self.fields())
 
 
-def round_up_rows(n: int, limit: int) -> int:
-    """Bucket of `n` rows: 1, 2, 4, 8, then multiples of 8 up to 32, of 16 up to 128, of 32 beyond
-    (at most ~1/8 padding past 32 rows); never above `limit` (the row capacity)."""
+# Padded tokens a bucket may add past 8 rows: a padded token costs as much as a real one (the GEMMs
+# of a 256-row iteration are compute-bound on an H200), so verification rows, k + 1 tokens each,
+# get finer buckets than one-token draft rows.
+MAX_PADDING_TOKENS = 16
+
+
+def round_up_rows(n: int, limit: int, row_tokens: int = 1) -> int:
+    """Bucket of `n` rows of `row_tokens` tokens each: 1, 2, 4, 8, then multiples of a step that
+    pads at most `MAX_PADDING_TOKENS` tokens (8 rows up to 32, 16 beyond, for one-token rows; 2
+    rows for verifications of 9 tokens); never above `limit` (the row capacity)."""
     if n <= 8:
         padded = 1 << max(0, (n - 1).bit_length()) if n else 0
     else:
-        step = 8 if n <= 32 else 16 if n <= 128 else 32
+        step = 8 if n <= 32 else 16
+        while step > 1 and (step - 1) * row_tokens > MAX_PADDING_TOKENS:
+            step //= 2
         padded = -(-n // step) * step
     return min(padded, max(limit, n))
 
@@ -217,7 +226,7 @@ class BatchBuilder:
 
         # --- the shape ---
         padded = self.pad and n_p == 0
-        v_pad = round_up_rows(n_v, self.num_slots) if padded else n_v
+        v_pad = round_up_rows(n_v, self.num_slots, spec) if padded else n_v
         d_pad = round_up_rows(n_d, self.num_slots) if padded else n_d
         prefill_samples = np.flatnonzero(is_prefill & samples)
         real_tokens = int(n_tok.sum())

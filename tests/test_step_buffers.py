@@ -14,7 +14,7 @@ from transformers.generation import logits_process as lp
 
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.attention import use_attention
-from hf_sparsespec.batch import BatchBuilder, DevicePageTable
+from hf_sparsespec.batch import MAX_PADDING_TOKENS, BatchBuilder, DevicePageTable, round_up_rows
 from hf_sparsespec.cache import PageAllocator
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.results import StopChecker
@@ -354,3 +354,17 @@ def test_compiled_forward_equals_eager(selection, backend):
         runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
     assert runs[0] == runs[1]
     assert engine.runner.compiled_forward is not None and any(engine.runner._compiles(s) for s in shapes)
+
+
+@given(st.integers(0, 600), st.integers(1, 512), st.sampled_from([1, 3, 5, 9, 17]))
+def test_row_buckets_bound_the_padded_tokens(n, limit, row_tokens):
+    """A bucket holds its rows, stays within the row capacity (unless the rows exceed it), grows with
+    the rows, and past 8 rows pads at most MAX_PADDING_TOKENS tokens: verification rows of k + 1
+    tokens get finer buckets than one-token draft rows."""
+    padded = round_up_rows(n, limit, row_tokens)
+    assert padded >= n and padded <= max(limit, n)
+    assert round_up_rows(n + 1, limit, row_tokens) >= padded
+    if n > 8:
+        assert (padded - n) * row_tokens <= MAX_PADDING_TOKENS
+    elif n > 0:
+        assert padded == min(1 << (n - 1).bit_length(), max(limit, n))
