@@ -26,7 +26,7 @@ from hf_sparsespec.engine import Engine
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.sampling import LogitsPipeline
 from hf_sparsespec.scheduler import Request
-from hf_sparsespec.stats import KVStats, RequestStats, SparseSpecStats
+from hf_sparsespec.stats import EngineStats, KVStats, RequestStats, SparseSpecStats
 from hf_sparsespec.validation import check_model_supported
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ def _split_stopping_criteria(criteria: StoppingCriteriaList | None) -> tuple[set
     return eos_ids, others, pads_finished_rows
 
 
-def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=None, progress=None) -> KVStats:
+def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=None, progress=None,
+         ) -> tuple[KVStats, EngineStats]:  # fmt: skip
     def on_tokens(request: Request, tokens: list[int]) -> None:
         if streamer is not None:
             streamer.put(torch.tensor([tokens]))
@@ -126,7 +127,7 @@ def _run(model, requests, config, pipeline, do_sample, stop_checker, streamer=No
 
     engine = Engine(model, requests, config, pipeline, do_sample, stop_checker, on_tokens, on_finish)
     engine.run()
-    return engine.kv.stats
+    return engine.kv.stats, EngineStats.from_counters(engine.runner.counters)
 
 
 # --- model.generate(..., custom_generate=generate) --------------------------------------------------
@@ -185,7 +186,8 @@ def generate(
     pipeline = LogitsPipeline(logits_processor if logits_processor is not None else [])
     start = time.perf_counter()
     try:
-        kv_stats = _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker, streamer)
+        kv_stats, engine_stats = _run(model, requests, config, pipeline, bool(generation_config.do_sample), stop_checker,
+                                      streamer)  # fmt: skip
     finally:
         if streamer is not None:
             streamer.end()
@@ -197,7 +199,8 @@ def generate(
     sequences = torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
-    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests], elapsed, kv_stats)
+    stats = SparseSpecStats.from_requests(config.num_draft_tokens, [r.stats for r in requests], elapsed, kv_stats,
+                                          engine_stats)  # fmt: skip
     return SparseSpecGenerateOutput(sequences=sequences, sparsespec_stats=stats)
 
 

@@ -136,12 +136,46 @@ class KVStats:
         return {**dataclasses.asdict(self), "recomputed_prefill_tokens": self.recomputed_prefill_tokens}
 
 
+@dataclass
+class EngineStats:
+    """What the engine ran: its iterations, replayed from CUDA graphs or run eagerly, and the graphs
+    it captured (with the seconds capture took). On a GPU, many eager iterations mean host-bound
+    decoding: graphs off (`cuda_graphs=False`, or not CUDA / the Triton backend), a logits processor
+    that synchronises with the host, prefill iterations, or more padded shapes than the runner keeps."""
+
+    iterations: int = 0
+    graph_replays: int = 0
+    eager_iterations: int = 0
+    graphs_captured: int = 0
+    capture_seconds: float = 0.0
+
+    @classmethod
+    def from_counters(cls, counters) -> EngineStats:
+        """From a `runner.RunnerCounters`."""
+        replays, eager = counters.graph_replays, counters.eager_iterations
+        return cls(replays + eager, replays, eager, counters.graphs_captured, counters.capture_seconds)
+
+    def merge(self, other: EngineStats) -> None:
+        for field_ in dataclasses.fields(self):
+            setattr(self, field_.name, getattr(self, field_.name) + getattr(other, field_.name))
+
+    def summary(self) -> str:
+        return (
+            f"{self.iterations} ({self.graph_replays} graph replays, {self.eager_iterations} eager; "
+            f"{self.graphs_captured} graphs captured in {self.capture_seconds:.2f} s)"
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass(repr=False)
 class SparseSpecStats:
     """Statistics of one `generate`/`generate_batch` call: per request (input order) and in total.
 
     `elapsed_s` is the wall time of the decoding (prefill included), when the caller measured it;
-    `kv` what the KV manager did (pages, offloads, restores), when the engine ran.
+    `kv` what the KV manager did (pages, offloads, restores) and `engine` its iterations and CUDA
+    graphs, when the engine ran.
     """
 
     num_draft_tokens: int
@@ -149,18 +183,20 @@ class SparseSpecStats:
     total: RequestStats
     elapsed_s: float | None = None
     kv: KVStats | None = None
+    engine: EngineStats | None = None
 
     @classmethod
     def from_requests(
         cls, num_draft_tokens: int, per_request: list[RequestStats], elapsed_s: float | None = None,
-        kv: KVStats | None = None,
+        kv: KVStats | None = None, engine: EngineStats | None = None,
     ) -> SparseSpecStats:
         total = RequestStats(accepted_histogram=[0] * (num_draft_tokens + 1))
         for stats in per_request:
             total.merge(stats)
         for stats in per_request:
             stats.accepted_histogram.extend([0] * (num_draft_tokens + 1 - len(stats.accepted_histogram)))
-        return cls(num_draft_tokens=num_draft_tokens, per_request=per_request, total=total, elapsed_s=elapsed_s, kv=kv)
+        return cls(num_draft_tokens=num_draft_tokens, per_request=per_request, total=total, elapsed_s=elapsed_s, kv=kv,
+                   engine=engine)  # fmt: skip
 
     @property
     def num_requests(self) -> int:
@@ -197,6 +233,8 @@ class SparseSpecStats:
         ]
         if self.tokens_per_second is not None:
             rows.append(("throughput", f"{self.tokens_per_second:.1f} tokens/s over {self.elapsed_s:.2f} s"))
+        if self.engine is not None:
+            rows.append(("iterations", self.engine.summary()))
         if self.kv is not None:
             rows.append(("KV cache", self.kv.summary()))
         return rows
@@ -240,6 +278,7 @@ class SparseSpecStats:
             "tokens_per_second": self.tokens_per_second,
             "total": self.total.as_dict(),
             "kv": self.kv.as_dict() if self.kv is not None else None,
+            "engine": self.engine.as_dict() if self.engine is not None else None,
             "per_request": [stats.as_dict() for stats in self.per_request],
         }
 

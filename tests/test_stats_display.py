@@ -31,6 +31,9 @@ def test_summary_shows_the_numbers_people_look_for(stats):
     assert f"{total.mean_accepted_per_cycle:.2f} of 4" in text
     assert f"{total.acceptance_rate:.1%}" in text
     assert "tokens/s" in text and stats.tokens_per_second == pytest.approx(90 / stats.elapsed_s)
+    engine = stats.engine  # on CPU every iteration runs eagerly (graphs need CUDA)
+    assert engine.iterations == engine.eager_iterations > 0 and engine.graph_replays == engine.graphs_captured == 0
+    assert f"{engine.iterations} (0 graph replays, {engine.iterations} eager" in text
     line = repr(stats)
     assert "\n" not in line and line.startswith("SparseSpecStats(3 requests, 90 tokens")
     assert f"{total.mean_accepted_per_cycle:.2f} accepted drafts/cycle" in line
@@ -47,6 +50,7 @@ def test_as_dict_is_json_and_carries_the_trace(stats):
     data = json.loads(json.dumps(stats.as_dict()))
     assert data["num_requests"] == 3 and data["tokens_per_second"] > 0
     assert data["total"]["generated_tokens"] == 90
+    assert data["engine"]["iterations"] == stats.engine.iterations
     for request in data["per_request"]:
         trace = request["cycle_accepted"]
         assert len(trace) == request["cycles"] and sum(trace) == request["accepted_drafts"]

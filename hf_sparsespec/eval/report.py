@@ -63,6 +63,9 @@ def build_report(config, records: list[dict], times: list[dict], meta: dict) -> 
             "samples": [{"index": r["index"], "output_tokens": run["output_tokens"],
                          "tokens_per_second": run["tokens_per_second"]} for r, run in zip(records, mine)],
         }
+        engines = [t["engine"][mode] for t in times if mode in t.get("engine", {})]
+        if engines:  # summed over processes
+            run["engine"] = {key: sum(e[key] for e in engines) for key in engines[0]}
         if mode == "sparsespec":
             stats = _merged_stats([m["stats"] for m in mine], k)
             run.update(mean_accepted_per_cycle=stats["total"]["mean_accepted_per_cycle"],
@@ -75,12 +78,13 @@ def build_report(config, records: list[dict], times: list[dict], meta: dict) -> 
     if set(runs) == {"plain", "sparsespec"}:
         plain, sparse = runs["plain"], runs["sparsespec"]
         report["speedup"] = plain["time_s"] / sparse["time_s"] if sparse["time_s"] > 0 else None
-        report["per_request_speedup"] = [
-            {"index": r["index"], "output_tokens": r["runs"]["sparsespec"]["output_tokens"],
-             "speedup": r["runs"]["plain"]["time_s"] / r["runs"]["sparsespec"]["time_s"]
-             if r["runs"]["sparsespec"]["time_s"] > 0 else None}
-            for r in records
-        ]
+        if config.batch_size == 1:  # a batch's requests share its time: per request only one at a time
+            report["per_request_speedup"] = [
+                {"index": r["index"], "output_tokens": r["runs"]["sparsespec"]["output_tokens"],
+                 "speedup": r["runs"]["plain"]["time_s"] / r["runs"]["sparsespec"]["time_s"]
+                 if r["runs"]["sparsespec"]["time_s"] > 0 else None}
+                for r in records
+            ]
         if not config.do_sample:
             report["identical_outputs"] = sum(bool(r["identical"]) for r in records)
             report["different_outputs"] = [r["index"] for r in records if not r["identical"]]
@@ -152,8 +156,15 @@ def markdown(report: dict) -> str:
     if "sparsespec" in runs:
         histogram = runs["sparsespec"]["stats"]["total"]["accepted_histogram"]
         lines.append("Accepted drafts per cycle (cycles): " + ", ".join(f"{a}: {c}" for a, c in enumerate(histogram)))
-    lines += ["", "| # | id | reference | " + " | ".join(f"{m} answer | {m} tokens" for m in runs) + " | speedup |",
-              "|---|---|---|" + "---|---|" * len(runs) + "---|"]
+        engine = runs["sparsespec"].get("engine")
+        if engine:
+            lines.append(f"SparseSpec iterations: {engine['iterations']} ({engine['graph_replays']} graph replays, "
+                         f"{engine['eager_iterations']} eager; {engine['graphs_captured']} graphs captured in "
+                         f"{engine['capture_seconds']:.1f} s).")
+    per_request = "per_request_speedup" in report
+    lines += ["", "| # | id | reference | " + " | ".join(f"{m} answer | {m} tokens" for m in runs)
+              + (" | speedup |" if per_request else " |"),
+              "|---|---|---|" + "---|---|" * len(runs) + ("---|" if per_request else "")]
     speedups = {s["index"]: s["speedup"] for s in report.get("per_request_speedup", [])}
     for record in report["examples"]:
         cells = []
@@ -162,8 +173,9 @@ def markdown(report: dict) -> str:
             mark = "" if run["correct"] is None else (" ✓" if run["correct"] else " ✗")
             cells.append(f"{_cell(run['answer'])}{mark} | {run['output_tokens']}")
         speedup = speedups.get(record["index"])
+        last = (f" | {'–' if speedup is None else f'{speedup:.2f}x'} |") if per_request else " |"
         lines.append(f"| {record['index']} | {_cell(record['id'])} | {_cell(_reference(record, report['task']))} | "
-                     + " | ".join(cells) + f" | {'–' if speedup is None else f'{speedup:.2f}x'} |")
+                     + " | ".join(cells) + last)
     return "\n".join(lines) + "\n"
 
 

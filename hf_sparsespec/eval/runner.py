@@ -20,6 +20,7 @@ from hf_sparsespec.eval.config import EvalConfig
 from hf_sparsespec.eval.data import Example, build_prompt, detect_task, load_records, select, to_examples
 from hf_sparsespec.eval.report import build_report
 from hf_sparsespec.eval.scoring import score
+from hf_sparsespec.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,8 @@ def _eos_ids(model) -> set[int]:
 
 
 def decode(model, tokenizer, prompts: list[tuple[str, bool]], mode: str, config: EvalConfig, device, max_new_tokens=None):
-    """Decode one batch with `mode`: (per-row dicts with token ids, text and stats, wall time in s)."""
+    """Decode one batch with `mode`: (per-row dicts with token ids, text and stats, wall time in s,
+    the engine's `EngineStats` or None for plain decoding)."""
     templated = prompts[0][1]
     encoded = tokenizer([p for p, _ in prompts], return_tensors="pt", padding=True, add_special_tokens=not templated)
     encoded = encoded.to(device)
@@ -134,7 +136,8 @@ def decode(model, tokenizer, prompts: list[tuple[str, bool]], mode: str, config:
             "prompt_tokens": int(encoded["attention_mask"][row].sum()),
             "stats": stats.per_request[row].as_dict() if stats is not None else None,
         })
-    return rows, elapsed
+    engine = stats.engine if stats is not None else None
+    return rows, elapsed, engine
 
 
 def _run_examples(model, tokenizer, examples: list[Example], task: str, config: EvalConfig, device, show: bool):
@@ -146,6 +149,7 @@ def _run_examples(model, tokenizer, examples: list[Example], task: str, config: 
         for mode in config.modes:
             decode(model, tokenizer, prompts[:1], mode, config, device, max_new_tokens=min(8, config.max_new_tokens))
     records, times = [], {mode: 0.0 for mode in config.modes}
+    engines = {mode: EngineStats() for mode in config.modes}
     progress = tqdm(total=len(batches) * len(config.modes), desc="eval", unit="batch", disable=not show)
     for batch in batches:
         outputs = {}
@@ -153,8 +157,11 @@ def _run_examples(model, tokenizer, examples: list[Example], task: str, config: 
             if config.do_sample:
                 torch.manual_seed(config.seed + examples[batch[0]].index)
             progress.set_postfix_str(mode)
-            outputs[mode] = decode(model, tokenizer, [prompts[i] for i in batch], mode, config, device)
-            times[mode] += outputs[mode][1]
+            rows, elapsed, engine = decode(model, tokenizer, [prompts[i] for i in batch], mode, config, device)
+            outputs[mode] = rows, elapsed
+            times[mode] += elapsed
+            if engine is not None:
+                engines[mode].merge(engine)
             progress.update(1)
         for position, i in enumerate(batch):
             example = examples[i]
@@ -176,6 +183,7 @@ def _run_examples(model, tokenizer, examples: list[Example], task: str, config: 
                 "identical": identical, "runs": runs,
             })
     progress.close()
+    times["engine"] = {mode: engine.as_dict() for mode, engine in engines.items() if engine.iterations}
     return records, times
 
 
