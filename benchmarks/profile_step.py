@@ -5,8 +5,8 @@ engine configurations side by side in one process (random weights of a real shap
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 64 --prompt-tokens 4000 --runs ar,pillar
 
 Per run (names as in e2e_throughput.py; graphs on unless the run turns them off): the engine decodes
-to a steady state (after prefill and `--warm-iterations` iterations, which compile kernels and
-capture graphs), then `--iterations` iterations are timed (wall time of `step()` and CUDA-event device
+to a steady state (through the whole chunked prefill, then `--warm-iterations` decode iterations,
+which compile kernels and capture graphs), then `--iterations` iterations are timed (wall time of `step()` and CUDA-event device
 time of each iteration) and, with `--profile`, traced by torch.profiler: the kernels by device time per
 iteration. The cost of an iteration does not depend on the weights (random weights accept few
 drafts, but the unified scheduler's mix of verifications and drafts per iteration is the same).
@@ -55,13 +55,26 @@ def measure(model, prompts, args, run: str) -> dict:
     job = prepare_batch(model, prompts, gen)
     engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
     runner = engine.runner
+    shapes = []  # every launched iteration's shape
+    launch = runner.run
+
+    def run_and_record(batch):
+        shapes.append(batch.shape)
+        return launch(batch)
+
+    runner.run = run_and_record
     result = dict(run=run, batch=len(prompts), k=config.num_draft_tokens, compile_forward=config.compile_forward)
     with use_attention(model), torch.no_grad():
         began = time.perf_counter()
+        prefill_iterations = 0
+        while not shapes or shapes[-1].num_prefill_rows:  # the (chunked) prefill
+            engine.step()
+            prefill_iterations += 1
         for _ in range(args.warm_iterations):
             engine.step()
         torch.cuda.synchronize()
         result["warm_seconds"] = time.perf_counter() - began
+        result["prefill_iterations"] = prefill_iterations
         runner.time_iterations = True
         runner.counters.iteration_events.clear()
         replays, eager = runner.counters.graph_replays, runner.counters.eager_iterations
@@ -71,9 +84,8 @@ def measure(model, prompts, args, run: str) -> dict:
             start = time.perf_counter()
             engine.step()
             wall.append(1000 * (time.perf_counter() - start))
-            if engine.pending:
-                shape = engine.pending[-1].batch.shape
-                rows.append((shape.num_tokens, shape.num_verify_rows, shape.num_draft_rows))
+            shape = shapes[-1]
+            rows.append((shape.num_tokens, shape.num_verify_rows, shape.num_draft_rows))
         torch.cuda.synchronize()
         result["wall_ms_per_iteration"] = 1000 * (time.perf_counter() - began) / args.iterations
         gpu = runner.counters.gpu_milliseconds()
