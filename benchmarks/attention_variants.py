@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / name) for name in ("kernels", "")]
+from kernel_cases import i32, make_paged_kv, query_offsets, random_selection  # noqa: E402
+
 import hf_sparsespec.kernels.attention_plan as attention_plan  # noqa: E402
 import hf_sparsespec.kernels.mixed_attention as mixed  # noqa: E402
-from kernel_cases import i32, make_paged_kv, query_offsets, random_selection  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +53,9 @@ def main() -> None:
     shipped, shipped_block = dict(mixed.launch_config("mixed", head_dim)), attention_plan.MAX_BLOCK_M
     variants = [("as shipped", {}, shipped_block), ("num_stages 1", {"num_stages": 1}, shipped_block),
                 ("num_stages 2", {"num_stages": 2}, shipped_block), ("MAX_BLOCK_M 64", {}, 64)]  # fmt: skip
-    print(f"{args.device} {args.dtype}, query tokens {starts[-1]}, shipped config {shipped}, MAX_BLOCK_M {shipped_block}")
+    print(
+        f"{args.device} {args.dtype}, query tokens {starts[-1]}, shipped config {shipped}, MAX_BLOCK_M {shipped_block}"
+    )
     for name, change, block in variants:
         attention_plan.MAX_BLOCK_M = block
         mixed.launch_config = lambda kind, size, change=change: dict(shipped, **change)
