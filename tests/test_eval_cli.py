@@ -102,6 +102,8 @@ def test_runs_over_slices_merge_into_one_report(assets, tmp_path):
     assert [r["reference"] for r in merged["examples"]] == [r["reference"] for r in whole["examples"]]
     assert [r["index"] for r in merged["examples"]] == list(range(len(QUESTIONS)))
     assert merged["runs"]["plain"]["output_tokens"] == whole["runs"]["plain"]["output_tokens"]
+    parts = [json.loads((tmp_path / part / "results.json").read_text())["runs"]["sparsespec"]["engine"] for part in "ab"]
+    assert merged["runs"]["sparsespec"]["engine"]["iterations"] == sum(part["iterations"] for part in parts)
 
 
 def test_humaneval_task(assets, tmp_path):

@@ -115,6 +115,10 @@ def merge_reports(reports: list[dict]) -> dict:
     times = [{mode: sum(report["runs"][mode]["time_s"] for report in reports) for mode in config.modes}]
     meta = {key: first[key] for key in ("task", "num_processes", "device", "dtype")}
     merged = build_report(config, records, times, meta)
+    for mode in config.modes:
+        engines = [report["runs"][mode]["engine"] for report in reports if "engine" in report["runs"][mode]]
+        if engines:
+            merged["runs"][mode]["engine"] = {key: sum(e[key] for e in engines) for key in engines[0]}
     merged["versions"] = first["versions"]
     merged["merged_from"] = [{"offset": r["config"]["offset"], "limit": r["config"]["limit"]} for r in reports]
     return merged
