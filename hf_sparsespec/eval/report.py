@@ -65,7 +65,7 @@ def build_report(config, records: list[dict], times: list[dict], meta: dict) -> 
         }
         engines = [t["engine"][mode] for t in times if mode in t.get("engine", {})]
         if engines:  # summed over processes
-            run["engine"] = {key: sum(e[key] for e in engines) for key in engines[0]}
+            run["engine"] = _summed(engines)
         if mode == "sparsespec":
             stats = _merged_stats([m["stats"] for m in mine], k)
             run.update(mean_accepted_per_cycle=stats["total"]["mean_accepted_per_cycle"],
@@ -118,10 +118,15 @@ def merge_reports(reports: list[dict]) -> dict:
     for mode in config.modes:
         engines = [report["runs"][mode]["engine"] for report in reports if "engine" in report["runs"][mode]]
         if engines:
-            merged["runs"][mode]["engine"] = {key: sum(e[key] for e in engines) for key in engines[0]}
+            merged["runs"][mode]["engine"] = _summed(engines)
     merged["versions"] = first["versions"]
     merged["merged_from"] = [{"offset": r["config"]["offset"], "limit": r["config"]["limit"]} for r in reports]
     return merged
+
+
+def _summed(engines: list[dict]) -> dict:
+    """Engine counts (`EngineStats.as_dict()`) of several processes or slices, added up."""
+    return {key: sum(engine[key] for engine in engines) for key in engines[0]}
 
 
 def _percent(value) -> str:
