@@ -304,5 +304,16 @@ LAUNCH_CONFIG: dict[tuple[str, int | None], dict[str, int]] = {
 }
 
 
-def launch_config(kind: str, head_dim: int) -> dict[str, int]:
-    return LAUNCH_CONFIG.get((kind, head_dim), LAUNCH_CONFIG[(kind, None)])
+# Float32 tiles pipeline at most this deep: on the H200 (Triton 3.6) the mixed kernel's 3-stage
+# pipeline over a 128-row packed fp32 tile at head_dim 128 gave wrong outputs (errors up to 3.5 in
+# the 150-query row of `test_mixed_attention[128-6-2-fp32]`), while 1 or 2 stages, or a 64-row tile,
+# were exact (`benchmarks/attention_variants.py`, docs/measurements.md 7). The CPU interpreter does
+# not pipeline, so only a GPU shows it. bf16 and fp16 keep the measured configs.
+MAX_FP32_STAGES = 2
+
+
+def launch_config(kind: str, head_dim: int, dtype: torch.dtype | None = None) -> dict[str, int]:
+    config = dict(LAUNCH_CONFIG.get((kind, head_dim), LAUNCH_CONFIG[(kind, None)]))
+    if dtype is not None and dtype.itemsize >= 4:
+        config["num_stages"] = min(config["num_stages"], MAX_FP32_STAGES)
+    return config

@@ -210,7 +210,7 @@ def mixed_attention(
     if plan.num_work == 0:
         return out, lse
     part_out, part_lse = plan.workspace(num_q_heads, head_dim, device)
-    config = launch_config("mixed", head_dim)
+    config = launch_config("mixed", head_dim, query.dtype)
     _mixed_attention_kernel[(plan.num_work, num_kv_heads)](
         query, k_cache, v_cache, page_table, query_start, context_lens, recent_start, selected, selection_slot,
         num_selected, moved["ptr"], plan.work, out, lse, part_out, part_lse,

@@ -227,7 +227,7 @@ def paged_attention(
     if plan.num_work == 0:
         return out, lse
     part_out, part_lse = plan.workspace(num_q_heads, head_dim, query.device)
-    config = launch_config("decode" if plan.block_m_full <= 16 else "full", head_dim)
+    config = launch_config("decode" if plan.block_m_full <= 16 else "full", head_dim, query.dtype)
     _paged_attention_kernel[(plan.num_work, num_kv_heads)](
         query, k_cache, v_cache, page_table, query_start, context_lens, plan.work, out, lse, part_out, part_lse,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

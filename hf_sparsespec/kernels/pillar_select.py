@@ -235,7 +235,7 @@ def pillar_scores_into(
     # shapes alone, so no sync. Larger blocks loop over query tiles.
     tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
-    config = launch_config("score", head_dim)
+    config = launch_config("score", head_dim, query.dtype)
     keys_per_program = config["KEYS_PER_PROGRAM"]
     programs = PROGRAMS_PER_SM * num_sms(query.device)
     chunk_programs = max(1, min(triton.cdiv(scores.shape[2], keys_per_program), programs // (num_rows * num_kv_heads)))

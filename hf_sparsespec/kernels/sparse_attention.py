@@ -297,7 +297,7 @@ def sparse_draft_attention(
     if plan.num_work == 0:
         return out
     part_out, part_lse = plan.workspace(num_q_heads, head_dim, device)
-    config = launch_config("draft", head_dim)
+    config = launch_config("draft", head_dim, query.dtype)
     _sparse_draft_attention_kernel[(plan.num_work, num_kv_heads)](
         query, k_cache, v_cache, page_table, context_lens, recent_start, selected, selection_slot, num_selected,
         moved["ptr"], plan.work, out, part_out, part_lse,

@@ -6,6 +6,12 @@ by a 16-way search on the scores' bit patterns (non-negative floats order like t
 passes narrow 2^31 candidates to one), then writes the positions of the top B, ascending, straight
 into the selected-index store at the row's slot: no per-layer topk + sort + index_copy_ chain, and a
 grid that depends only on the shapes. Ties at the threshold go to the lowest positions.
+
+Only (rows x KV heads) programs run (a few dozen: one per verification), so each one's latency is
+the kernel's: a pass accumulates its threshold counts elementwise in a [thresholds, BLOCK] register
+tile and reduces across threads once per pass, not once per key block (on the H200 the per-block
+reductions made this kernel the largest of a SparseSpec iteration at long contexts: 4.0 ms of 10.5
+at 64 rows x 8K, docs/measurements.md 7).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ def _select_top_keys_kernel(
     offs = tl.arange(0, BLOCK)
     if budget > 0:
         # Invariant: count(bits >= lo) >= budget > count(bits >= hi). +inf has bits 0x7F800000.
+        # Every threshold lies in [0, 0x7F800001 + NUM_THRESHOLDS): int32 compares are exact.
         lo = tl.zeros([1], tl.int64)
         hi = tl.full([1], 0x7F800001, tl.int64)
         steps = tl.arange(0, NUM_THRESHOLDS).to(tl.int64)
@@ -69,11 +76,13 @@ def _select_top_keys_kernel(
             for _ in tl.static_range(NUM_PASSES):
                 step = (hi - lo + NUM_THRESHOLDS - 1) // NUM_THRESHOLDS  # (1,)
                 thresholds = lo + steps * step  # (NUM_THRESHOLDS,)
-                counts = tl.zeros([NUM_THRESHOLDS], tl.int32)
+                below = thresholds.to(tl.int32)[:, None]
+                tally = tl.zeros([NUM_THRESHOLDS, BLOCK], tl.int32)  # reduced once, after the sweep
                 for start in range(0, num_old, BLOCK):
                     key = start + offs
                     bits = tl.load(score_row_ptr + key, mask=key < num_old, other=-1.0).to(tl.int32, bitcast=True)
-                    counts += tl.sum((bits.to(tl.int64)[None, :] >= thresholds[:, None]).to(tl.int32), axis=1)
+                    tally += (bits[None, :] >= below).to(tl.int32)
+                counts = tl.sum(tally, axis=1)
                 ok = (counts >= budget) & (thresholds < hi)
                 best = tl.max(tl.where(ok, steps, -1), axis=0)
                 lo = lo + best * step
@@ -81,12 +90,12 @@ def _select_top_keys_kernel(
         else:
             lo = lo - 1  # every key: the threshold is below all scores
         threshold = tl.max(lo, axis=0)  # the bit pattern of the budget-th largest score
-        num_above = 0
+        above_tally = tl.zeros([BLOCK], tl.int32)
         for start in range(0, num_old, BLOCK):
             key = start + offs
             bits = tl.load(score_row_ptr + key, mask=key < num_old, other=-1.0).to(tl.int32, bitcast=True)
-            num_above += tl.sum((bits.to(tl.int64) > threshold).to(tl.int32), axis=0)
-        ties_needed = budget - num_above
+            above_tally += (bits.to(tl.int64) > threshold).to(tl.int32)
+        ties_needed = budget - tl.sum(above_tally, axis=0)
         written = 0
         ties_seen = 0
         for start in range(0, num_old, BLOCK):
@@ -127,5 +136,5 @@ def select_top_keys_into(
     _select_top_keys_kernel[(num_rows, num_kv_heads)](
         scores, num_old_keys, budgets, slots, selected,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
-        BLOCK=256, NUM_THRESHOLDS=16, NUM_PASSES=8, num_warps=4,
+        BLOCK=512, NUM_THRESHOLDS=16, NUM_PASSES=8, num_warps=8,
     )  # fmt: skip
