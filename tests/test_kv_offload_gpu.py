@@ -36,11 +36,20 @@ def test_copies_are_asynchronous_ordered_and_bit_exact():
         layer.values.normal_()
     pages = allocator.page_table("a")
     expected = [(layer.keys[pages].clone(), layer.values[pages].clone()) for layer in cache.layers]
+
+    def rewrite_every_layer():
+        for layer in cache.layers:
+            layer.keys.mul_(1)
+            layer.values.mul_(1)
+
+    # The first launch of a kernel loads its module (CUDA's lazy loading), which waits for the device:
+    # on the H200 the first `mul_` after the sleep below blocked the host for the sleep's 250 ms, and
+    # the offload then found the compute stream idle (benchmarks/async_copies.py: every primitive of
+    # an offload returns in < 0.4 ms). So that kernel runs once before the sleep.
+    rewrite_every_layer()
     torch.cuda.synchronize()  # (indexing with a host list waits for the stream: no such wait below)
-    torch.cuda._sleep(500_000_000)  # a long kernel (~0.3 s) on the compute stream, then its writes
-    for layer in cache.layers:
-        layer.keys.mul_(1)
-        layer.values.mul_(1)
+    torch.cuda._sleep(500_000_000)  # a long kernel (~0.25 s) on the compute stream, then its writes
+    rewrite_every_layer()
     length = allocator.length("a")
     parked = allocator.park("a")
     host = cache.host.offload(parked, length)
