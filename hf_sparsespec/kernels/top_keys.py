@@ -43,6 +43,10 @@ def select_top_keys(
     return torch.where(top == sentinel, -1, top).to(torch.int32)
 
 
+# Keys per block of the sweeps and warps per program (`benchmarks/top_keys_configs.py` times others).
+LAUNCH = dict(BLOCK=512, num_warps=8)
+
+
 @triton.jit
 def _select_top_keys_kernel(
     scores_ptr,  # [num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys[row]
@@ -136,5 +140,5 @@ def select_top_keys_into(
     _select_top_keys_kernel[(num_rows, num_kv_heads)](
         scores, num_old_keys, budgets, slots, selected,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
-        BLOCK=512, NUM_THRESHOLDS=16, NUM_PASSES=8, num_warps=8,
+        NUM_THRESHOLDS=16, NUM_PASSES=8, **LAUNCH,
     )  # fmt: skip
