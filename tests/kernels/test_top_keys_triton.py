@@ -10,8 +10,8 @@ from kernel_cases import i32, poison_outputs  # noqa: F401
 
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 
-# (num_old_keys, budget) per row: block edges (BLOCK = 512; 256 before), all keys, more than all, none, one.
-ROWS = [(700, 35), (256, 17), (257, 257), (90, 200), (0, 5), (1, 1), (513, 0), (40, 39), (512, 259), (1025, 240)]
+# (num_old_keys, budget) per row: block edges (BLOCK = 1024, and 256 and 512), all keys, more than all, none, one.
+ROWS = [(700, 35), (256, 17), (257, 257), (90, 200), (0, 5), (1, 1), (513, 0), (40, 39), (512, 259), (1025, 240), (2049, 255)]
 
 
 def _store(num_slots, num_kv_heads, max_budget, device):
