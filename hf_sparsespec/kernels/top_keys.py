@@ -43,8 +43,9 @@ def select_top_keys(
     return torch.where(top == sentinel, -1, top).to(torch.int32)
 
 
-# Keys per block of the sweeps and warps per program: the fastest of `benchmarks/top_keys_configs.py` on
-# the H200 (49 us per launch at 8 x 2 x 8K keys, against 58 at 512 / 8 warps and 106 at 256 / 4; docs/measurements.md 7).
+# Keys per block of the sweeps and warps per program: the fastest of `benchmarks/top_keys_configs.py`
+# on the H200 (49 us per launch at 8 x 2 x 8K keys, against 58 at 512 / 8 warps and 106 at 256 / 4;
+# docs/measurements.md 7).
 LAUNCH = dict(BLOCK=1024, num_warps=8)
 
 
