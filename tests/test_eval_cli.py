@@ -80,6 +80,25 @@ def test_greedy_side_by_side_writes_the_report(assets, tmp_path, batch_size):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_warmup_decodes_the_first_batch_untimed(assets, tmp_path):
+    """The warm-up runs each mode over the first batch (reported apart); the timed outputs are those of
+    a run without it."""
+    common = ["--model", str(assets / "model"), "--dataset", str(assets / "data.jsonl"), "--no-plots"]
+    options = ["--max-new-tokens", "14", "--num-draft-tokens", "4", "--min-budget", "4", "--batch-size", "3"]
+    assert main([*common, *options, "--out", str(tmp_path / "warm")]) == 0
+    warm = json.loads((tmp_path / "warm" / "results.json").read_text())
+    cold = run_cli(assets, tmp_path / "cold", "--batch-size", "3", "--no-plots")
+    check_report(warm, len(QUESTIONS))
+    for mode in ("plain", "sparsespec"):
+        assert warm["runs"][mode]["warmup_s"] > 0 and "warmup_s" not in cold["runs"][mode]
+    assert len(warm["examples"]) == len(cold["examples"]) == len(QUESTIONS)
+    for warm_record, cold_record in zip(warm["examples"], cold["examples"]):
+        for mode in ("plain", "sparsespec"):
+            assert warm_record["runs"][mode]["output"] == cold_record["runs"][mode]["output"]
+    assert "Untimed warm-up (the first batch, up to 48 tokens): plain " in (tmp_path / "warm" / "results.md").read_text()
+    assert "Untimed" not in (tmp_path / "cold" / "results.md").read_text()
+
+
 def test_filters_limit_one_mode_and_replot(assets, tmp_path):
     report = run_cli(assets, tmp_path, "--filter", "source=a", "--offset", "1", "--limit", "2", "--modes", "sparsespec",
                      "--no-plots")

@@ -9,6 +9,11 @@ from hf_sparsespec.config import SparseSpecConfig
 TASKS = ("auto", "math", "gsm", "humaneval", "none")
 MODES = ("plain", "sparsespec")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The untimed warm-up of each mode decodes the first batch's prompts for up to this many tokens, so
+# that the timed batches find the Triton kernels compiled and the CUDA graphs of a batch's shapes
+# captured (the earlier warm-up, one prompt for 8 tokens, reached neither a batch's shapes nor more
+# than one verification). Its seconds are reported apart (`runs[mode]["warmup_s"]`).
+WARMUP_TOKENS = 48
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,8 @@ class EvalConfig:
         device: None uses accelerate's device for this process (a GPU per process when launched
             with `accelerate launch`).
         num_draft_tokens, budget_ratio, min_budget, backend: `SparseSpecConfig` options.
-        warmup: run one short untimed generation per mode first (compilation, allocator).
+        warmup: first run one untimed generation per mode over the first batch's prompts, up to
+            `WARMUP_TOKENS` tokens (kernel compilation, graph capture, the allocator).
         humaneval_timeout: seconds each HumanEval program may run.
         plots: write PNG plots (needs matplotlib).
     """

@@ -12,6 +12,7 @@ import logging
 import platform
 from pathlib import Path
 
+from hf_sparsespec.eval.config import WARMUP_TOKENS
 from hf_sparsespec.eval.scoring import gsm_reference, math_reference
 from hf_sparsespec.stats import RequestStats, SparseSpecStats
 
@@ -63,6 +64,9 @@ def build_report(config, records: list[dict], times: list[dict], meta: dict) -> 
             "samples": [{"index": r["index"], "output_tokens": run["output_tokens"],
                          "tokens_per_second": run["tokens_per_second"]} for r, run in zip(records, mine)],
         }
+        warmups = [t["warmup"][mode] for t in times if mode in t.get("warmup", {})]
+        if warmups:  # untimed, the slowest process
+            run["warmup_s"] = max(warmups)
         engines = [t["engine"][mode] for t in times if mode in t.get("engine", {})]
         if engines:  # summed over processes
             run["engine"] = _summed(engines)
@@ -158,6 +162,9 @@ def markdown(report: dict) -> str:
     lines.append("")
     if report.get("speedup") is not None:
         lines.append(f"Speedup (plain time / SparseSpec time): **{report['speedup']:.2f}x**.")
+    if all("warmup_s" in run for run in runs.values()):
+        lines.append(f"Untimed warm-up (the first batch, up to {WARMUP_TOKENS} tokens): "
+                     + ", ".join(f"{mode} {run['warmup_s']:.1f} s" for mode, run in runs.items()) + ".")
     if "identical_outputs" in report:
         lines.append(f"Greedy: {report['identical_outputs']}/{n} outputs identical token for token, "
                      f"{report['same_answers']}/{n} identical answers"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import hf_sparsespec  # noqa: F401  (adds generation_strategy= to generate)
-from hf_sparsespec.eval.config import EvalConfig
+from hf_sparsespec.eval.config import WARMUP_TOKENS, EvalConfig
 from hf_sparsespec.eval.data import Example, build_prompt, detect_task, load_records, select, to_examples
 from hf_sparsespec.eval.report import build_report
 from hf_sparsespec.eval.scoring import score
@@ -145,10 +145,16 @@ def _run_examples(model, tokenizer, examples: list[Example], task: str, config: 
 
     prompts = [build_prompt(tokenizer, example, task, config) for example in examples]
     batches = [list(range(i, min(i + config.batch_size, len(examples)))) for i in range(0, len(examples), config.batch_size)]
-    if config.warmup and examples:
-        for mode in config.modes:
-            decode(model, tokenizer, prompts[:1], mode, config, device, max_new_tokens=min(8, config.max_new_tokens))
     records, times = [], {mode: 0.0 for mode in config.modes}
+    if config.warmup and examples:
+        warmup_prompts = [prompts[i] for i in batches[0]]
+        times["warmup"] = {}
+        for mode in config.modes:
+            _synchronize(device)
+            start = time.perf_counter()
+            decode(model, tokenizer, warmup_prompts, mode, config, device,
+                   max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens))  # fmt: skip
+            times["warmup"][mode] = time.perf_counter() - start
     engines = {mode: EngineStats() for mode in config.modes}
     progress = tqdm(total=len(batches) * len(config.modes), desc="eval", unit="batch", disable=not show)
     for batch in batches:
