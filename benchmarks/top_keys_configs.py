@@ -32,7 +32,7 @@ def main() -> None:
         slots = torch.arange(rows, dtype=torch.int32, device=device)
         expected = top_keys.select_top_keys(scores, budgets, budget)
         for config in CONFIGS:
-            top_keys.LAUNCH = config
+            top_keys.LAUNCH["cuda"] = config
             store = torch.full((rows, heads, budget), -7, dtype=torch.int32, device=device)
             top_keys.select_top_keys_into(scores, num_old, budgets, store, slots)
             equal = torch.equal(store, expected)

@@ -11,7 +11,8 @@ Only (rows x KV heads) programs run (a few dozen: one per verification), so each
 the kernel's: a pass accumulates its threshold counts elementwise in a [thresholds, BLOCK] register
 tile and reduces across threads once per pass, not once per key block (on the H200 the per-block
 reductions made this kernel the largest of a SparseSpec iteration at long contexts: 4.0 ms of 10.5
-at 64 rows x 8K, docs/measurements.md 7).
+at 64 rows x 8K, docs/measurements.md 7), and the count of keys above the threshold comes from the
+passes' own counts: 9 sweeps over the keys (8 passes, then the write).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def select_top_keys(
     return torch.where(top == sentinel, -1, top).to(torch.int32)
 
 
-# Keys per block of the sweeps and warps per program: the fastest of `benchmarks/top_keys_configs.py`
-# on the H200 (49 us per launch at 8 x 2 x 8K keys, against 58 at 512 / 8 warps and 106 at 256 / 4;
-# docs/measurements.md 7).
-LAUNCH = dict(BLOCK=1024, num_warps=8)
+# Keys per block of the sweeps and warps per program, by device type. CUDA: the fastest of
+# `benchmarks/top_keys_configs.py` on the H200 (49 us per launch at 8 x 2 x 8K keys, against 58 at
+# 512 / 8 warps and 106 at 256 / 4; docs/measurements.md 7). The CPU interpreter's cost grows with the
+# block and its contexts are short (the engine tests run this kernel in every verification): 256.
+LAUNCH = {"cuda": dict(BLOCK=1024, num_warps=8), "cpu": dict(BLOCK=256, num_warps=4)}
 
 
 @triton.jit
@@ -73,10 +75,13 @@ def _select_top_keys_kernel(
     sel_row_ptr = selected_ptr + slot * stride_sel_slot + kv_head * stride_sel_head
     offs = tl.arange(0, BLOCK)
     if budget > 0:
-        # Invariant: count(bits >= lo) >= budget > count(bits >= hi). +inf has bits 0x7F800000.
-        # Every threshold lies in [0, 0x7F800001 + NUM_THRESHOLDS): int32 compares are exact.
+        # Invariant: count(bits >= lo) >= budget > count(bits >= hi) = num_above. +inf has bits
+        # 0x7F800000. Every threshold lies in [0, 0x7F800001 + NUM_THRESHOLDS): int32 compares are exact.
+        # NUM_PASSES 16-way steps narrow [lo, hi) to one bit pattern (hi = lo + 1), so num_above, kept
+        # from the pass counts, is then the number of keys strictly above the threshold.
         lo = tl.zeros([1], tl.int64)
         hi = tl.full([1], 0x7F800001, tl.int64)
+        num_above = tl.zeros([1], tl.int32)
         steps = tl.arange(0, NUM_THRESHOLDS).to(tl.int64)
         if budget < num_old:
             for _ in tl.static_range(NUM_PASSES):
@@ -91,17 +96,17 @@ def _select_top_keys_kernel(
                 counts = tl.sum(tally, axis=1)
                 ok = (counts >= budget) & (thresholds < hi)
                 best = tl.max(tl.where(ok, steps, -1), axis=0)
+                # the new hi is the next threshold when it lies below the old hi: its count is known
+                next_is_hi = (steps == best + 1) & (thresholds < hi)
+                num_above = tl.where(tl.sum(next_is_hi.to(tl.int32), axis=0) > 0,
+                                     tl.sum(tl.where(next_is_hi, counts, 0), axis=0), num_above)  # fmt: skip
                 lo = lo + best * step
                 hi = tl.minimum(lo + step, hi)
         else:
             lo = lo - 1  # every key: the threshold is below all scores
+            num_above = num_above + num_old
         threshold = tl.max(lo, axis=0)  # the bit pattern of the budget-th largest score
-        above_tally = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, num_old, BLOCK):
-            key = start + offs
-            bits = tl.load(score_row_ptr + key, mask=key < num_old, other=-1.0).to(tl.int32, bitcast=True)
-            above_tally += (bits.to(tl.int64) > threshold).to(tl.int32)
-        ties_needed = budget - tl.sum(above_tally, axis=0)
+        ties_needed = budget - tl.max(num_above, axis=0)
         written = 0
         ties_seen = 0
         for start in range(0, num_old, BLOCK):
@@ -142,5 +147,5 @@ def select_top_keys_into(
     _select_top_keys_kernel[(num_rows, num_kv_heads)](
         scores, num_old_keys, budgets, slots, selected,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
-        NUM_THRESHOLDS=16, NUM_PASSES=8, **LAUNCH,
+        NUM_THRESHOLDS=16, NUM_PASSES=8, **LAUNCH.get(device.type, LAUNCH["cuda"]),
     )  # fmt: skip

@@ -8,18 +8,28 @@ import pytest
 import torch
 from kernel_cases import i32, poison_outputs  # noqa: F401
 
+from hf_sparsespec.kernels import top_keys
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 
-# (num_old_keys, budget) per row: block edges (BLOCK = 1024, and 256 and 512), all keys, more than all, none, one.
-ROWS = [(700, 35), (256, 17), (257, 257), (90, 200), (0, 5), (1, 1), (513, 0), (40, 39), (512, 259), (1025, 240), (2049, 255)]
+# (num_old_keys, budget) per row: block edges (256 and 1024, the two launch configs; 512), all keys, more than
+# all, none, one.
+ROWS = [(700, 35), (256, 17), (257, 257), (90, 200), (0, 5), (1, 1), (513, 0), (40, 39), (512, 259), (1025, 240),
+        (2049, 255)]  # fmt: skip
 
 
 def _store(num_slots, num_kv_heads, max_budget, device):
     return torch.full((num_slots, num_kv_heads, max_budget), -7, dtype=torch.int32, device=device)
 
 
+@pytest.fixture(params=[dict(BLOCK=256, num_warps=4), dict(BLOCK=1024, num_warps=8)], ids=["block256", "block1024"])
+def launch(request, device, monkeypatch):
+    """Both the interpreter's and the GPU's launch config, on any device."""
+    monkeypatch.setitem(top_keys.LAUNCH, device.type, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 3])
-def test_matches_reference_on_distinct_scores(device, num_kv_heads):
+def test_matches_reference_on_distinct_scores(device, num_kv_heads, launch):
     num_old = [n for n, _ in ROWS]
     budgets = [b for _, b in ROWS]
     width, max_budget = max(num_old) + 3, 260
@@ -39,7 +49,7 @@ def test_matches_reference_on_distinct_scores(device, num_kv_heads):
     assert (store[untouched] == -7).all()
 
 
-def test_ties_give_a_valid_top_set_with_the_lowest_positions(device):
+def test_ties_give_a_valid_top_set_with_the_lowest_positions(device, launch):
     """Scores quantized to a few values: the kept set is a top-B set and, at the threshold value,
     takes the lowest positions."""
     num_old, budget = 600, 50
