@@ -8,8 +8,8 @@ transformers `generate` with the static cache, our autoregressive mode, our Spar
 Every run decodes the same prompts (mmath AIME/MATH, chat template; random ids with `--random`),
 bf16, sampling T=0.65 (top-k and top-p off), a forced length (min_new_tokens = max_new_tokens).
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
-(`num_draft_tokens=0`), `pillar`, `diagonal`, `streaming`, `dense`, `ar_compiled` / `pillar_compiled`
-(`compile_forward=True`, warmed first), and the ablation ladder of the paper:
+(`num_draft_tokens=0`), `pillar`, `diagonal`, `streaming`, `dense`, `ar_compiled` / `pillar_compiled` /
+`diagonal_compiled` (`compile_forward=True`, warmed first), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
@@ -69,6 +69,7 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "ar": dict(num_draft_tokens=0),
     "ar_compiled": dict(num_draft_tokens=0, compile_forward=True),
     "pillar_compiled": dict(compile_forward=True),
+    "diagonal_compiled": dict(selection="diagonal", compile_forward=True),
     "pillar": dict(),
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),
@@ -104,13 +105,14 @@ class IdealCounter:
         self.linear_params = params - self.lm_head  # the embedding lookup reads a few rows only
         self.weight_bytes = params * itemsize
         self.kv_bytes_per_key = self.layers * self.kv_heads * self.head_dim * 2 * itemsize  # K and V
-        self.seconds = []
+        self.seconds, self.kv_bytes = [], []
 
     def add(self, tokens: int, logits: int, full_keys: int, sparse_keys: int, scored_keys: int, attended: int):
         kv = (full_keys + sparse_keys) * self.kv_bytes_per_key + scored_keys * self.kv_bytes_per_key // 2
         flops = 2 * self.linear_params * tokens + 2 * self.lm_head * logits
         flops += 4 * self.q_heads * self.head_dim * self.layers * attended
         self.seconds.append(max((self.weight_bytes + kv) / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S))
+        self.kv_bytes.append(kv)
 
     def observe(self, batch, pillar: bool) -> None:
         a, shape = batch.arrays, batch.shape
@@ -184,6 +186,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": iterations,
         "wall_ms_per_iter": 1000 * seconds / iterations, "gpu_ms_per_iter": float(np.mean(gpu_ms)),
         "gpu_ms_per_iter_decode": float(np.mean(gpu_ms[decode])), "ideal_ms_per_iter": 1000 * float(np.mean(ideal.seconds)),
+        "ideal_kv_gb_per_iter": float(np.mean(ideal.kv_bytes)) / 1e9, "weight_gb": ideal.weight_bytes / 1e9,
         "mean_accepted": stats.total.mean_accepted_per_cycle, "histogram": stats.total.accepted_histogram,
         "graph_replays": counters.graph_replays, "eager_iterations": counters.eager_iterations,
         "graphs_captured": counters.graphs_captured, "capture_seconds": counters.capture_seconds,
@@ -254,7 +257,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--kv-policy", default="dynamic", help="comma list of dynamic, reserve: each run under each")
-    parser.add_argument("--num-pages", default=None, help="KV pages per layer, or 'third' (worst cases of 1/3)")
+    parser.add_argument("--num-pages", default=None,
+                        help="KV pages per layer, or 'third' / '1/N' (room for the worst cases of 1/3 or 1/N of the requests)")
     parser.add_argument("--stop", choices=["forced", "eos"], default="forced",
                         help="forced: min_new_tokens = new tokens; eos: outputs end at eos (reasoning lengths)")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (outputs comparable across runs)")
@@ -307,8 +311,10 @@ def main() -> None:
                                       **SELECTIONS[run])  # fmt: skip
             if args.num_pages is not None:
                 pages = args.num_pages
-                pages = pool_for_a_fraction(model, prompts, n, 1 / 3, config) if pages == "third" else int(pages)
-                config = dataclasses.replace(config, num_pages=pages)
+                pages = "1/3" if pages == "third" else pages
+                if pages.startswith("1/"):
+                    pages = pool_for_a_fraction(model, prompts, n, 1 / int(pages[2:]), config)
+                config = dataclasses.replace(config, num_pages=int(pages))
             if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
                 # dynamo's compilation with compile_forward); graphs are per call and are captured again
                 started = time.perf_counter()

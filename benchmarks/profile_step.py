@@ -150,6 +150,12 @@ def main() -> None:
             for name, ms, launches in result["kernels"]:
                 print(f"| {name[:100]} | {ms:.3f} | {launches:.0f} |")
         print(json.dumps({key: value for key, value in result.items() if key != "kernels"}), flush=True)
+        if args.out is not None:  # after every run: a later run past the time limit loses only itself
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = f"profile_step_{args.random or Path(args.gguf).stem}_{args.batch}x{args.prompt_tokens or 'short'}.json"
+            (args.out / name).write_text(
+                json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=1)
+            )
     print(f"\nbatch {args.batch}, prompts {args.prompt_tokens or '100-250'} tokens, {args.iterations} timed iterations")
     print(
         "| run | padded tokens (verify / draft rows) | wall ms / iter | GPU ms / iter | host ms / step (median) "
@@ -161,12 +167,6 @@ def main() -> None:
         print(f"| {r['run']} | {r['padded_tokens']:.0f} ({r['verify_rows']:.0f} / {r['draft_rows']:.0f}) "
               f"| {r['wall_ms_per_iteration']:.2f} | {r['gpu_ms_per_iteration']:.2f} | "
               f"{r['step_host_ms_median']:.2f} | {r['replays']} / {r['eager']} | {kernels} |")  # fmt: skip
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"profile_step_{args.random or Path(args.gguf).stem}_{args.batch}x{args.prompt_tokens or 'short'}.json"
-        (args.out / name).write_text(
-            json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=1)
-        )
 
 
 if __name__ == "__main__":

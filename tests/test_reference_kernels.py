@@ -14,6 +14,7 @@ from hf_sparsespec.kernels import (
     sparse_draft_attention_ref,
     store_kv_ref,
 )
+from hf_sparsespec.kernels.top_keys import rank_key
 
 
 def paged_setup(context_lens, page_size, num_kv_heads, head_dim, seed=0):
@@ -114,7 +115,9 @@ def test_pillar_scores_ref_is_the_mean_softmax_probability():
 
 
 def test_select_top_keys_sorted_and_padded():
-    scores = torch.randn(3, 2, 30)  # continuous: no ties
+    # scores far apart at bfloat16 precision (ratios of 1.1, both signs): the ranking is the exact one
+    magnitudes = 1.1 ** torch.randperm(180).float().view(3, 2, 30)
+    scores = magnitudes * torch.where(torch.rand(3, 2, 30) < 0.3, -1.0, 1.0)
     scores[2, :, 10:] = float("-inf")
     budgets = torch.tensor([5, 8, 10], dtype=torch.int32)
     selected = select_top_keys(scores, budgets, 12)
@@ -125,6 +128,26 @@ def test_select_top_keys_sorted_and_padded():
             expected = scores[row, head].topk(b).indices.sort().values
             assert torch.equal(selected[row, head, :b].long(), expected)
             assert (selected[row, head, b:] == -1).all()
+
+
+def test_select_top_keys_ranks_at_bfloat16_precision_with_ties_to_the_lowest_positions():
+    """Scores within bfloat16's resolution of each other tie (their float32 patterns share the top
+    16 bits) and the lowest positions win; coarser differences rank as usual."""
+    base = torch.tensor(1.25 * 2.0**-7)  # a bfloat16 value: the run below stays inside its bucket
+    step = 2.0**-10 * base  # 6 steps span 0.5 %, under bfloat16's 2^-7 relative resolution
+    scores = torch.full((1, 1, 12), 0.001)
+    # a run of 6 near-equal scores rising with the position (the last ones are the largest in float32)
+    scores[0, 0, 4:10] = base + step * torch.arange(6)
+    scores[0, 0, 1] = 0.5  # clearly the best
+    assert torch.equal(rank_key(scores)[0, 0, 4:10], rank_key(scores)[0, 0, 4:5].expand(6))
+    selected = select_top_keys(scores, torch.tensor([4], dtype=torch.int32), 4)
+    assert selected[0, 0].tolist() == [1, 4, 5, 6]  # float32's top 4 would be [1, 7, 8, 9]
+    # rank_key keeps the order (toward zero on both signs) and -inf
+    values = torch.tensor([-float("inf"), -3.0, -1e-3, 0.0, 1e-30, 0.2, 0.2001, 7.0, float("inf")])
+    ranked = rank_key(values)
+    assert (ranked[1:] >= ranked[:-1]).all() and ranked[0] == -float("inf") and ranked[-1] == float("inf")
+    finite = values.isfinite()
+    assert ((ranked - values)[finite].abs() <= values[finite].abs() * 2.0**-7).all()
 
 
 def test_store_kv_ref_writes_slots_and_skips_padding():

@@ -1,18 +1,25 @@
 """Top keys: each (row, KV head)'s B best-scored key positions, sorted ascending.
 
-`select_top_keys` (reference, shared by every backend: `torch.topk` then a sort) returns them padded
-with -1. Triton (`select_top_keys_into`): one program per (row, KV head) finds the B-th largest score
-by a 16-way search on the scores' bit patterns (non-negative floats order like their int32 bits; 8
-passes narrow 2^31 candidates to one), then writes the positions of the top B, ascending, straight
-into the selected-index store at the row's slot: no per-layer topk + sort + index_copy_ chain, and a
-grid that depends only on the shapes. Ties at the threshold go to the lowest positions.
+Scores are ranked at bfloat16 precision: each float32 score's bit pattern truncated to its top 16
+bits (sign, exponent, 7 mantissa bits; a relative resolution of 2^-7), and keys whose truncated
+scores tie go to the lowest positions. The set is the exact top B of the truncated scores, the same
+on every backend; against the full-precision top B it can only differ among keys whose scores lie
+within 0.8 % of the B-th largest (any selection is lossless: only acceptance could change). The
+coarser key halves the Triton search (4 passes over the keys instead of 8).
+
+`select_top_keys` (reference, shared by every backend: a stable sort of the truncated scores) returns
+them padded with -1. Triton (`select_top_keys_into`): one program per (row, KV head) finds the B-th
+largest truncated score by a 16-way search on the 16-bit patterns (non-negative floats order like
+their bits; 4 passes narrow 2^15 candidates to one), then writes the positions of the top B,
+ascending, straight into the selected-index store at the row's slot: no per-layer topk + sort +
+index_copy_ chain, and a grid that depends only on the shapes.
 
 Only (rows x KV heads) programs run (a few dozen: one per verification), so each one's latency is
 the kernel's: a pass accumulates its threshold counts elementwise in a [thresholds, BLOCK] register
 tile and reduces across threads once per pass, not once per key block (on the H200 the per-block
 reductions made this kernel the largest of a SparseSpec iteration at long contexts: 4.0 ms of 10.5
 at 64 rows x 8K, docs/measurements.md 7), and the count of keys above the threshold comes from the
-passes' own counts: 9 sweeps over the keys (8 passes, then the write).
+passes' own counts: 5 sweeps over the keys (4 passes, then the write).
 """
 
 from __future__ import annotations
@@ -24,19 +31,32 @@ import triton.language as tl
 from hf_sparsespec.kernels._checks import INDEX, check_tensor
 
 
+RANK_BITS_DROPPED = 16  # low bits of a float32 score's pattern ignored when ranking (bfloat16 precision)
+
+
+def rank_key(scores: torch.Tensor) -> torch.Tensor:
+    """The scores as ranked: float32 bit patterns truncated to bfloat16 precision (toward zero, so the
+    order is kept, ties aside; -inf stays -inf)."""
+    bits = scores.float().contiguous().view(torch.int32)
+    return (bits & -(1 << RANK_BITS_DROPPED)).view(torch.float32)
+
+
 def select_top_keys(
     scores: torch.Tensor,  # [num_rows, num_kv_heads, width] float32, -inf = not selectable
     budgets: torch.Tensor,  # [num_rows] int32, keys to keep per row (<= selectable keys)
     max_budget: int,
 ) -> torch.Tensor:
-    """Top-`budgets[r]` positions per (row, KV head), sorted ascending, padded with -1 to `max_budget`.
+    """Top-`budgets[r]` positions per (row, KV head) by `rank_key` (ties to the lowest positions),
+    sorted ascending, padded with -1 to `max_budget`.
 
     Runs on device without host syncs (shared by every backend).
     """
     num_rows, num_kv_heads, width = scores.shape
+    ranked = rank_key(scores)
     if width < max_budget:
-        scores = torch.nn.functional.pad(scores, (0, max_budget - width), value=float("-inf"))
-    top = scores.topk(max_budget, dim=-1, sorted=True).indices  # [rows, kvh, max_budget], best first
+        ranked = torch.nn.functional.pad(ranked, (0, max_budget - width), value=float("-inf"))
+    # a stable descending sort keeps equal keys in position order: ties go to the lowest positions
+    top = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :max_budget]  # best first
     rank = torch.arange(max_budget, device=scores.device)
     keep = rank[None, None, :] < budgets.to(scores.device)[:, None, None]
     sentinel = torch.iinfo(torch.int32).max
@@ -65,6 +85,7 @@ def _select_top_keys_kernel(
     BLOCK: tl.constexpr,
     NUM_THRESHOLDS: tl.constexpr,
     NUM_PASSES: tl.constexpr,
+    SHIFT: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -75,12 +96,13 @@ def _select_top_keys_kernel(
     sel_row_ptr = selected_ptr + slot * stride_sel_slot + kv_head * stride_sel_head
     offs = tl.arange(0, BLOCK)
     if budget > 0:
-        # Invariant: count(bits >= lo) >= budget > count(bits >= hi) = num_above. +inf has bits
-        # 0x7F800000. Every threshold lies in [0, 0x7F800001 + NUM_THRESHOLDS): int32 compares are exact.
-        # NUM_PASSES 16-way steps narrow [lo, hi) to one bit pattern (hi = lo + 1), so num_above, kept
-        # from the pass counts, is then the number of keys strictly above the threshold.
+        # Keys are the patterns' top 16 bits (`rank_key`; masked keys load -1.0: negative keys).
+        # Invariant: count(keys >= lo) >= budget > count(keys >= hi) = num_above. +inf's key is
+        # 0x7F80. Every threshold lies in [0, 0x7F81 + NUM_THRESHOLDS): int32 compares are exact.
+        # NUM_PASSES 16-way steps narrow [lo, hi) to one key (hi = lo + 1: 32641 -> 2041 -> 128 -> 8
+        # -> 1), so num_above, kept from the pass counts, is then the number of keys strictly above.
         lo = tl.zeros([1], tl.int64)
-        hi = tl.full([1], 0x7F800001, tl.int64)
+        hi = tl.full([1], 0x7F81, tl.int64)
         num_above = tl.zeros([1], tl.int32)
         steps = tl.arange(0, NUM_THRESHOLDS).to(tl.int64)
         if budget < num_old:
@@ -92,6 +114,7 @@ def _select_top_keys_kernel(
                 for start in range(0, num_old, BLOCK):
                     key = start + offs
                     bits = tl.load(score_row_ptr + key, mask=key < num_old, other=-1.0).to(tl.int32, bitcast=True)
+                    bits = bits >> SHIFT
                     tally += (bits[None, :] >= below).to(tl.int32)
                 counts = tl.sum(tally, axis=1)
                 ok = (counts >= budget) & (thresholds < hi)
@@ -105,14 +128,15 @@ def _select_top_keys_kernel(
         else:
             lo = lo - 1  # every key: the threshold is below all scores
             num_above = num_above + num_old
-        threshold = tl.max(lo, axis=0)  # the bit pattern of the budget-th largest score
+        threshold = tl.max(lo, axis=0)  # the key of the budget-th largest score
         ties_needed = budget - tl.max(num_above, axis=0)
         written = 0
         ties_seen = 0
         for start in range(0, num_old, BLOCK):
             key = start + offs
             valid = key < num_old
-            bits = tl.load(score_row_ptr + key, mask=valid, other=-1.0).to(tl.int32, bitcast=True).to(tl.int64)
+            bits = tl.load(score_row_ptr + key, mask=valid, other=-1.0).to(tl.int32, bitcast=True)
+            bits = (bits >> SHIFT).to(tl.int64)
             above = valid & (bits > threshold)
             tie = valid & (bits == threshold)
             tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
@@ -130,9 +154,9 @@ def select_top_keys_into(
     selected: torch.Tensor,  # [num_slots, num_kv_heads, max_budget] int32, written in place
     slots: torch.Tensor,  # [num_rows] int32/int64, the slot each row writes
 ) -> None:
-    """Triton: the `min(budgets[r], num_old_keys[r])` best keys of row r, per KV head, as ascending
-    positions into `selected[slots[r], h, :budget]` (entries past the budget are left as they were).
-    Same sets as `select_top_keys` when scores have no ties at the threshold."""
+    """Triton: the `min(budgets[r], num_old_keys[r])` best keys of row r, per KV head (by `rank_key`,
+    ties to the lowest positions), as ascending positions into `selected[slots[r], h, :budget]`
+    (entries past the budget are left as they were). The same sets as `select_top_keys`."""
     device = scores.device
     check_tensor("scores", scores, ndim=3, dtypes=(torch.float32,), device=device)
     num_rows, num_kv_heads, _ = scores.shape
@@ -147,5 +171,5 @@ def select_top_keys_into(
     _select_top_keys_kernel[(num_rows, num_kv_heads)](
         scores, num_old_keys, budgets, slots, selected,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
-        NUM_THRESHOLDS=16, NUM_PASSES=8, **LAUNCH.get(device.type, LAUNCH["cuda"]),
+        NUM_THRESHOLDS=16, NUM_PASSES=4, SHIFT=RANK_BITS_DROPPED, **LAUNCH.get(device.type, LAUNCH["cuda"]),
     )  # fmt: skip
