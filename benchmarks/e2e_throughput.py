@@ -321,7 +321,9 @@ def main() -> None:
                 short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
                 hf_sparsespec.generate_batch(model, prompts, short, config)
                 print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
-            result = run_ours(model, prompts, gen_config, config, pillar=config.selection in SCORED_SELECTIONS)
+            # the AR mode (no drafts) scores nothing: its rows are verifications of one token, unscored
+            scored = config.selection in SCORED_SELECTIONS and config.num_draft_tokens > 0
+            result = run_ours(model, prompts, gen_config, config, pillar=scored)
             outputs[label] = result.pop("outputs")
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:

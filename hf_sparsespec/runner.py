@@ -269,7 +269,11 @@ class ModelRunner:
         if self.selection == "streaming" and shape.num_verify_rows:
             self._write_streaming_selection(f)
         position, input_index, kv_slot = f["position"].long(), f["input_index"].long(), f["kv_slot"].long()
-        context_lens, draft_write, prefix_len = f["context_len"], f["draft_write"].long(), f["logits_prefix_len"].long()
+        # a copy, not a view of the metadata buffer, whether shifted below or not: a compiled forward
+        # guards on its inputs' aliasing, and a view in one iteration and a fresh tensor in the next
+        # (shifted shapes) recompiled the whole forward
+        context_lens = f["context_len"].clone()
+        draft_write, prefix_len = f["draft_write"].long(), f["logits_prefix_len"].long()
         if shape.shifted:  # speculative rows: add the accepted counts of the previous iteration's verifications
             index = f["shift_index"].long()
             shift = torch.where(index >= 0, self.results[index.clamp(min=0)], 0)
@@ -411,12 +415,16 @@ class ModelRunner:
         selected.index_copy_(1, f["verify_slot"].long(), expanded)
 
     def _compiles(self, shape: StepShape) -> bool:
-        """Whether the forward of `shape` runs compiled: padded decode shapes whose row counts are 0
-        or >= 2 (dynamo specialises sizes 0 and 1, so each such size would compile anew; these
-        few shapes run eagerly), after the first eager forward checked the attention."""
+        """Whether the forward of `shape` runs compiled: padded decode shapes with verification rows
+        and draft rows counts of 0 or >= 2, after the first eager forward checked the attention.
+        Dynamo specialises sizes 0 and 1, and the attention branches on whether any row verifies,
+        so shapes without verifications (the tail of a batch, with few rows) or with one row of a
+        kind would each compile the whole forward anew (88 s on the H200 in the middle of a run,
+        docs/measurements.md 8): they run eagerly (in their CUDA graphs) instead."""
         if self.compiled_forward is None or not shape.padded or not self.checked_attention:
             return False
-        return all(n == 0 or n >= 2 for n in (shape.num_verify_rows, shape.num_draft_rows)) and shape.num_tokens >= 2
+        verify, draft = shape.num_verify_rows, shape.num_draft_rows
+        return verify >= 2 and (draft == 0 or draft >= 2) and shape.num_tokens >= 2
 
     def _model_logits(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         """The model's forward: logits of the rows `logits_index` (`[1, num_logits, vocab]` or all rows

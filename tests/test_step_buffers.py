@@ -368,6 +368,36 @@ def test_compiled_forward_equals_eager(selection, backend):
     assert engine.runner.compiled_forward is not None and any(engine.runner._compiles(s) for s in shapes)
 
 
+def test_compiled_forward_compiles_once_while_the_batch_shrinks():
+    """Requests of different lengths leave the batch one by one (the tail of a run): shapes without
+    verifications, with one row of a kind, and shifted (speculative) shapes all appear. None of them
+    compiles the forward again (on the H200 one such recompilation cost 88 s in the middle of a run):
+    a view-or-copy aliasing change and a branch on "any verification" each did before."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen2")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 15, (12,), generator=g)]
+    lengths = [int(n) for n in torch.randint(6, 40, (12,), generator=g)]
+    requests = [Request(i, p, n, batch_row=i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=True, backend="torch")
+    engine = Engine(model, requests, config, LogitsPipeline([]), False, StopChecker(set(), [], torch.device("cpu")),
+                    pad_to_buckets=True)  # fmt: skip
+    shapes = []
+    original = engine.runner.run
+    engine.runner.run = lambda batch: shapes.append(batch.shape) or original(batch)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with use_attention(model), torch.no_grad():
+        engine.run()
+    assert all(len(r.generated) == n for r, n in zip(requests, lengths))
+    compiled = [s for s in shapes if engine.runner._compiles(s)]
+    assert len({(s.num_verify_rows, s.num_draft_rows) for s in compiled}) >= 3  # many shapes ran compiled
+    assert any(s.shifted for s in compiled) and any(not s.shifted for s in compiled)
+    assert any(s.num_verify_rows == 0 for s in shapes)  # ... and the tail's verification-free ones eagerly
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
 @given(st.integers(0, 600), st.integers(1, 512), st.sampled_from([1, 3, 5, 9, 17]))
 def test_row_buckets_bound_the_padded_tokens(n, limit, row_tokens):
     """A bucket holds its rows, stays within the row capacity (unless the rows exceed it), grows with

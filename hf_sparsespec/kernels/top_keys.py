@@ -30,7 +30,6 @@ import triton.language as tl
 
 from hf_sparsespec.kernels._checks import INDEX, check_tensor
 
-
 RANK_BITS_DROPPED = 16  # low bits of a float32 score's pattern ignored when ranking (bfloat16 precision)
 
 
