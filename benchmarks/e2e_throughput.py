@@ -8,8 +8,8 @@ transformers `generate` with the static cache, our autoregressive mode, our Spar
 Every run decodes the same prompts (mmath AIME/MATH, chat template; random ids with `--random`),
 bf16, sampling T=0.65 (top-k and top-p off), a forced length (min_new_tokens = max_new_tokens).
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
-(`num_draft_tokens=0`), `pillar`, `diagonal`, `streaming`, `dense`, `ar_compiled` / `pillar_compiled` /
-`diagonal_compiled` (`compile_forward=True`, warmed first), and the ablation ladder of the paper:
+(`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `streaming`, `dense`, `ar_compiled` /
+`pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
@@ -70,6 +70,8 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "ar_compiled": dict(num_draft_tokens=0, compile_forward=True),
     "pillar_compiled": dict(compile_forward=True),
     "diagonal_compiled": dict(selection="diagonal", compile_forward=True),
+    "induction": dict(selection="induction"),
+    "induction_compiled": dict(selection="induction", compile_forward=True),
     "pillar": dict(),
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),

@@ -119,7 +119,8 @@ class Study:
             loc = group_.local
             view = DraftView(step=i, position=t[loc] + i, query=q[loc], logits=logits[loc],
                              draft_logits=draft_logits[loc], old=old[loc], recent=recent[loc],
-                             budget=self.budget[rows][loc], page_summaries=summaries)  # fmt: skip
+                             budget=self.budget[rows][loc], page_summaries=summaries,
+                             input_token=self.input_token[loc], text=self.tokens)  # fmt: skip
             if self.mode == "probe":
                 group_.policy.probe(layer, view)
                 selected[loc] = old[loc][:, None, :]
@@ -193,7 +194,7 @@ class Study:
         token = self.tokens[self.t[self.batch_rows]]
         drafts = torch.empty(r, self.k, dtype=torch.long, device=self.device)
         for i in range(self.k):
-            self.step = i
+            self.step, self.input_token = i, token
             logits = self._forward(token[:, None], (self.t[self.batch_rows] + i)[:, None])
             token = drafts[:, i] = logits[:, -1].argmax(-1)
         self.mode = "idle"

@@ -79,6 +79,8 @@ class DraftView:
     recent: torch.Tensor  # [r, N] bool, recent_start <= j < t
     budget: torch.Tensor  # [r] long
     page_summaries: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # page_size -> ([kvh, pages, d] min, max)
+    input_token: torch.Tensor  # [r] long, the token this query reads (x_t at step 0, then the last draft)
+    text: torch.Tensor  # [N] long, the committed text (teacher forcing)
 
     def group_scores(self, allowed_old: torch.Tensor) -> torch.Tensor:
         """Group-mean softmax probabilities `[r, kvh, N]` of this query when it attends `allowed_old`
@@ -371,10 +373,52 @@ class Diagonal(Policy):
         return f"{self.name} (top {self.top} per {'head' if self.per_head else 'group mean'})"
 
 
+def induction_keys(view: DraftView, top: int, num_keys: int) -> torch.Tensor:
+    """Mask `[r, N]` of the successors j + 1 of the `top` latest old occurrences j of the query's own
+    input token (j + 1 < recent_start): where an induction head attends."""
+    j = torch.arange(num_keys - 1, device=view.text.device)
+    match = (view.text[None, :-1] == view.input_token[:, None]) & view.old[:, 1:]  # successor j + 1 is old
+    latest = torch.where(match, j[None, :], -1).topk(min(top, num_keys - 1), dim=-1).values  # [r, top]
+    mask = torch.zeros(match.shape[0], num_keys, dtype=torch.bool, device=match.device)
+    return mask.scatter_(-1, (latest + 1).clamp(min=0), latest >= 0)
+
+
+class Induction(Policy):
+    """PillarAttn plus, at every draft step, the successors of the latest `top` earlier occurrences of
+    the token the draft reads, in every layer and KV head: the keys induction heads attend ("after
+    the last time this token came, the text went on with ..."). The matches come from the token ids
+    alone (no key is read to find them), refresh at every step with the draft's own token, and add
+    `top` keys at most. `diagonal=1` adds the diagonal policy's moved keys as well."""
+
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 4, diagonal: int = 0, **common):
+        super().__init__(name, min_budget, budget_ratio, **common)
+        self.top, self.diagonal = top, diagonal
+        self.offsets: list[torch.Tensor | None] = []
+
+    def bind(self, rows, num_layers):
+        super().bind(rows, num_layers)
+        self.offsets = [None] * num_layers
+
+    def after_verify(self, layer, view):
+        super().after_verify(layer, view)
+        if self.diagonal:
+            self.offsets[layer] = diagonal_offsets(view, 1)
+
+    def draft(self, layer, view):
+        base, extra = super().draft(layer, view)
+        mask = base | induction_keys(view, self.top, base.shape[-1])[:, None, :]
+        if self.diagonal and self.offsets[layer] is not None:
+            mask = mask | moved_keys(self.offsets[layer], view.position, base.shape[-1])
+        return mask & view.old[:, None, :], extra
+
+    def describe(self):
+        return f"{self.name} (successors of the latest {self.top} matches{' + diagonal' if self.diagonal else ''})"
+
+
 POLICIES = {
     "dense": Dense, "pillar": Pillar, "streaming": Streaming, "oracle_step": OracleStep,
     "oracle_first": OracleFirst, "oracle_frozen": OracleFrozen, "quest": Quest, "rerank": Rerank,
-    "shared": SharedBudget, "diagonal": Diagonal,
+    "shared": SharedBudget, "diagonal": Diagonal, "induction": Induction,
 }  # fmt: skip
 
 

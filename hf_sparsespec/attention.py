@@ -3,9 +3,10 @@
 Modeling code calls it once per layer with the step's queries; the keys/values of the step were
 already written into the pages by `SparseSpecCache.update`. It reads everything else from the
 `sparsespec_step` forward kwarg: prefill and verification rows attend fully and causally, draft rows
-attend to their PillarAttn selection (plus, for `"diagonal"`, their moved keys) plus their recent
-window, and verification rows refresh the selection (and the moved-key offsets) of their request for
-this layer from the exact attention probabilities they just computed.
+attend to their PillarAttn selection (plus, for `"diagonal"` and `"induction"`, their moved keys)
+plus their recent window, and verification rows refresh the selection (and, for `"diagonal"`, the
+moved-key offsets) of their request for this layer from the exact attention probabilities they just
+computed.
 
 The matching mask function returns None: the attention derives all masking from the step metadata,
 and a dense `[num_tokens, kv_len]` mask of a packed batch would cost quadratic memory.
@@ -72,14 +73,14 @@ def sparsespec_attention(
         if score:
             ops.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, store, layer_idx,
                                  step.verify_slots, step.scores, scale, step.spec_len, step.backend.name,
-                                 moved_store, step.best)  # fmt: skip
+                                 moved_store if step.verify_moves else None, step.best)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip
     if score:
         step.backend.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, selected,
-                                      step.verify_slots, step.scores, scale, step.spec_len, offsets=offsets,
-                                      best=step.best)  # fmt: skip
+                                      step.verify_slots, step.scores, scale, step.spec_len,
+                                      offsets=offsets if step.verify_moves else None, best=step.best)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

@@ -78,7 +78,8 @@ class StepShape:
             ("verify_first_position", v), ("num_drafts", v), ("verify_base", v),
             ("draft_index", v * k), ("draft_prob_row", v * k),
             ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
-            ("draft_write", d), ("draft_prob_index", d), ("prefill_write", self.num_prefill_samples),
+            ("draft_write", d), ("draft_prob_index", d), ("draft_row_base", d), ("draft_recent_start", d),
+            ("prefill_write", self.num_prefill_samples),
             ("logits_stream", 2 * n), ("accept_key", 2 * v * k),
             ("work", plan.num_work * 5), ("merge", plan.num_merge * 5),
             ("shift_index", r if self.shifted else 0), ("token_row", t if self.shifted else 0),
@@ -312,6 +313,9 @@ class BatchBuilder:
         # --- drafts and first tokens: where sampled tokens go ---
         a["draft_write"] = _pad(row_base[dr] + context[dr], d_pad - n_d, dummy_base)
         a["draft_prob_index"] = _pad(slot[dr] * k + draft_step[dr] - 1, d_pad - n_d, dummy * k)
+        # (the induction selection's lookup: each draft row's history and old keys)
+        a["draft_row_base"] = _pad(row_base[dr], d_pad - n_d, dummy_base)
+        a["draft_recent_start"] = _pad(recent[dr], d_pad - n_d, 0)
         a["prefill_write"] = row_base[prefill_samples] + context[prefill_samples]
 
         # --- the attention plan (rows [0, n_p + n_v) attend fully; speculative rows get room to shift) ---

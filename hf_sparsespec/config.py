@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 SCHEDULER_POLICIES = ("unified", "naive")
-SELECTION_POLICIES = ("pillar", "diagonal", "streaming", "dense")
-SCORED_SELECTIONS = ("pillar", "diagonal")  # made from the verifications' exact attention scores
+SELECTION_POLICIES = ("pillar", "diagonal", "induction", "streaming", "dense")
+SCORED_SELECTIONS = ("pillar", "diagonal", "induction")  # made from the verifications' exact attention scores
 BACKENDS = ("auto", "torch", "triton")
 KV_POLICIES = ("dynamic", "reserve")
 
@@ -60,10 +60,14 @@ class SparseSpecConfig:
             each verification query p and query head of the GQA group keeps the offset `j - p` of its
             most attended old key j, and a draft query at position q also attends key `q + j - p`
             when it is older than the recent window; the copy/induction heads' keys advance with
-            the drafts; (k + 1) x group extra keys at most), `"streaming"` (first `num_sink_tokens`
+            the drafts; (k + 1) x group extra keys at most), `"induction"` (PillarAttn's keys plus, at
+            every draft step, in every layer and KV head, the keys right after the latest
+            `num_induction_keys` older occurrences of the token the draft reads: where induction heads
+            look, found from the token ids alone, refreshed at every step), `"streaming"` (first `num_sink_tokens`
             keys plus the most recent ones), or `"dense"` (draft with full attention; accepts
             everything under greedy, a sanity check).
         num_sink_tokens: sink tokens of the streaming selection.
+        num_induction_keys: keys the induction selection adds per draft step (per layer and KV head).
         delayed_verification: the host reads an iteration's results only after launching the next
             one, so it never waits on the device while work is queued. A request that just verified
             drafts its next cycle's first token meanwhile, speculatively: its position depends on
@@ -107,8 +111,9 @@ class SparseSpecConfig:
     budget_ratio: float = 0.05
     min_budget: int = 128
     scheduler: Literal["unified", "naive"] = "unified"
-    selection: Literal["pillar", "diagonal", "streaming", "dense"] = "pillar"
+    selection: Literal["pillar", "diagonal", "induction", "streaming", "dense"] = "pillar"
     num_sink_tokens: int = 4
+    num_induction_keys: int = 8
     delayed_verification: bool = True
     page_size: int = 16
     max_num_requests: int = 256
@@ -142,6 +147,7 @@ class SparseSpecConfig:
         _check_choice("scheduler", self.scheduler, SCHEDULER_POLICIES)
         _check_choice("selection", self.selection, SELECTION_POLICIES)
         _check_int("num_sink_tokens", self.num_sink_tokens, 0)
+        _check_int("num_induction_keys", self.num_induction_keys, 1, 256)
         if self.selection == "streaming" and self.num_sink_tokens >= self.min_budget:
             raise ValueError(
                 f"SparseSpecConfig.num_sink_tokens must be < min_budget ({self.min_budget}) for the "

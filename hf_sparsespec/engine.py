@@ -54,7 +54,8 @@ class EngineLayout:
     num_pages: int
     history_width: int  # columns of the token buffer
     max_budget: int  # width of the selected-index store
-    num_moved: int  # width of the moved-key offsets store: (k + 1) x group for "diagonal", else 0
+    num_moved: int  # width of the moved-key offsets store: (k + 1) x group for "diagonal", the
+    # induction keys for "induction", else 0
 
 
 class Engine:
@@ -152,7 +153,11 @@ class Engine:
         max_budget = 1 if config.selection == "dense" or self.k == 0 else config.budget(max_context)
         max_budget = _round_up(max_budget, STRIDE_ALIGNMENT) if max_budget > 1 else 1
         group = geometry.num_q_heads // geometry.num_kv_heads
-        num_moved = (self.k + 1) * group if config.selection == "diagonal" and self.k > 0 else 0
+        num_moved = 0  # moved-key entries per (layer, slot, KV head)
+        if config.selection == "diagonal" and self.k > 0:
+            num_moved = (self.k + 1) * group
+        elif config.selection == "induction" and self.k > 0:
+            num_moved = config.num_induction_keys
         return EngineLayout(num_slots, num_pages, history_width, max_budget, num_moved)
 
     def _largest_step(self, num_params: int, group: int, items: int) -> tuple[StepShape, int]:

@@ -31,6 +31,7 @@ import torch
 from hf_sparsespec.batch import HostBatch, StepShape
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
+from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
 from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
@@ -130,8 +131,12 @@ class ModelRunner:
             if self.scores_verify_rows:
                 shape = (largest.num_verify_rows, cache.num_kv_heads, history_width)
                 self.scores = torch.empty(shape, dtype=torch.float32, device=device)
+        # which selection writes the moved-key store: "diagonal" at verifications, "induction" before
+        # each iteration's drafts
+        self.verify_moves = selection == "diagonal" and cache.moved_offsets is not None
+        self.induction = selection == "induction" and cache.moved_offsets is not None
         self.best = None  # the diagonal selection's workspace (Triton): zeros, and zeroed again after each use
-        if backend.needs_plan and cache.moved_offsets is not None:
+        if backend.needs_plan and self.verify_moves:
             shape = (largest.num_verify_rows, cache.num_kv_heads, cache.moved_offsets.shape[-1])
             self.best = torch.zeros(shape, dtype=torch.int64, device=device)
         self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
@@ -288,6 +293,12 @@ class ModelRunner:
             context_lens = (context_lens + shift[: shape.num_rows]).to(torch.int32)
             draft_write = draft_write + shift[f["draft_row"].long()]
             prefix_len = prefix_len + shift[f["logits_row"].long()]
+        if self.induction and shape.num_draft_rows:  # after the shift: each draft's own position and token
+            reads = draft_write - 1  # each draft row's last token, the one it reads
+            offsets = induction_offsets(self.token_buffer, reads, f["draft_row_base"].long(),
+                                        f["draft_recent_start"], self.cache.moved_offsets.shape[-1])  # fmt: skip
+            slots = torch.div(f["draft_row_base"].long(), self.token_buffer.shape[1], rounding_mode="floor")
+            write_induction_offsets(self.cache.moved_offsets, slots, offsets)
         compiled = self._compiles(shape)
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
         # instead and must see the same ints when replayed as when captured (or it would recompile there)
@@ -316,6 +327,7 @@ class ModelRunner:
             scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
             score_verify_rows=self.scores_verify_rows,
             best=self.best[: shape.num_verify_rows] if self.best is not None else None,
+            verify_moves=self.verify_moves,
             max_context=self.max_context,
             compiled=compiled,
             num_full_rows_tensor=f["num_full_rows"],

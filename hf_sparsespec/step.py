@@ -50,3 +50,5 @@ class StepBatch:
     attention_calls: int = field(default=0)
     compiled: bool = False  # inside a torch.compile'd forward: call the ops through `hf_sparsespec.ops`
     num_full_rows_tensor: torch.Tensor | None = None  # [1] int32, `num_full_rows` for the custom op
+    # the verifications write the moved-key store ("diagonal"); "induction" fills it before the forward
+    verify_moves: bool = False

@@ -20,14 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from acceptance_study import summarize  # noqa: E402
 from study_harness import Study  # noqa: E402
-from study_policies import make_policy, moved_keys, quest_bound, top_mask  # noqa: E402
+from study_policies import DraftView, induction_keys, make_policy, moved_keys, quest_bound, top_mask  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_sparsespec import SparseSpecConfig  # noqa: E402
 
 K = 8
 SPECS = ["dense", "pillar", "streaming", "oracle_step", "oracle_first", "oracle_frozen", "quest:page_size=4",
-         "rerank:candidates=2", "shared:mode=mass", "shared:mode=entropy", "diagonal"]  # fmt: skip
+         "rerank:candidates=2", "shared:mode=mass", "shared:mode=entropy", "diagonal", "induction",
+         "induction:top=2,diagonal=1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,17 @@ def test_moved_keys_follow_the_diagonal():
     offsets = torch.tensor([[[-5, -1, -300]]])  # one row, one KV head
     mask = moved_keys(offsets, torch.tensor([10]), num_keys=12)
     assert mask.nonzero()[:, -1].tolist() == [5, 9]  # 10 - 300 is outside the text
+
+
+def test_induction_keys_are_the_successors_of_the_latest_old_matches():
+    text = torch.tensor([7, 1, 7, 2, 3, 7, 4, 7, 5, 6])
+    old = torch.arange(10)[None, :] < torch.tensor([[8], [4]])  # recent_start 8, then 4
+    view = DraftView(step=0, position=torch.tensor([9, 9]), query=None, logits=None, draft_logits=None, old=old,
+                     recent=~old, budget=None, page_summaries=None, input_token=torch.tensor([7, 7]), text=text)  # fmt: skip
+    mask = induction_keys(view, top=2, num_keys=10)
+    # row 0: 7 occurs at 0, 2, 5 (and 7, whose successor 8 is not old): the latest two give 6 and 3
+    assert mask[0].nonzero().flatten().tolist() == [3, 6]
+    assert mask[1].nonzero().flatten().tolist() == [1, 3]  # recent_start 4: successors 1 and 3 only
 
 
 def test_summary_rows():

@@ -1,0 +1,115 @@
+"""The `"induction"` selection: the per-step lookup of the successors of the draft token's earlier
+occurrences (against a per-row Python loop), the store writes, and the engine attending them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import assert_greedy_equal, ragged_batch, tiny_model
+
+import hf_sparsespec  # noqa: F401  (registers the strategy)
+from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.kernels import induction_keys
+from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
+from hf_sparsespec.kernels.moved_keys import NO_OFFSET
+
+
+def loop_reference(tokens, slots, paddings, positions, recent_starts, num_entries):
+    """Row by row: the positions j + 1 (latest first) with tokens[j] == the row's token at `position`,
+    0 <= j and j + 1 < recent_start, as offsets from the position."""
+    out = []
+    for slot, padding, q, recent in zip(slots, paddings, positions, recent_starts):
+        row = tokens[slot]
+        token = row[padding + q]
+        found = [j + 1 for j in range(len(row) - padding - 1) if row[padding + j] == token and j + 1 < recent]
+        found = sorted(found, reverse=True)[:num_entries]
+        out.append([key - q for key in found] + [NO_OFFSET] * (num_entries - len(found)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 5),  # slots
+    st.integers(3, 40),  # width
+    st.integers(1, 6),  # entries
+    st.integers(2, 5),  # vocabulary (small: many matches)
+    st.data(),
+)
+def test_offsets_match_the_loop_reference(num_slots, width, num_entries, vocab, data):
+    tokens = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
+                                             min_size=num_slots, max_size=num_slots)))  # fmt: skip
+    num_rows = data.draw(st.integers(1, 6))
+    slots, paddings, positions, recents = [], [], [], []
+    for _ in range(num_rows):
+        slot = data.draw(st.integers(0, num_slots - 1))
+        padding = data.draw(st.integers(0, width - 1))
+        q = data.draw(st.integers(0, width - 1 - padding))  # the token read sits inside the row
+        slots.append(slot), paddings.append(padding), positions.append(q)
+        recents.append(data.draw(st.integers(0, q + 1)))
+    row_base = torch.tensor([s * width + p for s, p in zip(slots, paddings)])
+    input_index = row_base + torch.tensor(positions)
+    got = induction_offsets(tokens, input_index, row_base, torch.tensor(recents, dtype=torch.int32), num_entries)
+    assert got.dtype == torch.int32 and got.shape == (num_rows, num_entries)
+    assert got.tolist() == loop_reference(tokens.tolist(), slots, paddings, positions, recents, num_entries)
+
+
+def test_offsets_point_at_successors_of_the_latest_matches():
+    # slot 1, two columns of left padding; position p holds row[2 + p]
+    tokens = torch.tensor([[0] * 12, [5, 5, 7, 1, 7, 2, 3, 7, 4, 9, 7, 6]])
+    # the draft reads position 8 (a 7); old keys below 7: 7 occurs at positions 0, 2, 5 (and 8 itself)
+    offsets = induction_offsets(tokens, torch.tensor([12 + 2 + 8]), torch.tensor([14]), torch.tensor([7]), 4)
+    assert offsets.tolist() == [[6 - 8, 3 - 8, 1 - 8, NO_OFFSET]]  # successors 6, 3, 1, latest first
+    # the padding's 5s never match a 5 read at position 0
+    offsets = induction_offsets(torch.tensor([[5, 5, 5, 1]]), torch.tensor([2]), torch.tensor([2]), torch.tensor([1]), 2)
+    assert offsets.tolist() == [[NO_OFFSET, NO_OFFSET]]
+
+
+def test_store_writes_every_layer_and_head_of_the_slot():
+    store = torch.full((3, 4, 2, 2), -1, dtype=torch.int32)
+    write_induction_offsets(store, torch.tensor([2, 0]), torch.tensor([[5, 6], [7, 8]], dtype=torch.int32))
+    assert (store[:, 2] == torch.tensor([5, 6], dtype=torch.int32)).all()
+    assert (store[:, 0] == torch.tensor([7, 8], dtype=torch.int32)).all()
+    assert (store[:, [1, 3]] == -1).all()
+
+
+K4 = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction", num_induction_keys=4)
+NAIVE_SYNC = SparseSpecConfig(num_draft_tokens=6, min_budget=2, page_size=2, selection="induction", scheduler="naive",
+                              delayed_verification=False)  # fmt: skip
+ADAPTIVE = SparseSpecConfig(num_draft_tokens=5, min_budget=3, page_size=8, selection="induction",
+                            adaptive_draft_tokens=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "backend"),
+    [(K4, "torch"), (NAIVE_SYNC, "torch"), (ADAPTIVE, "torch"), (K4, "triton"), (NAIVE_SYNC, "triton")],
+    ids=["k4-torch", "k6-naive-sync-torch", "k5-adaptive-torch", "k4-triton", "k6-naive-sync-triton"],
+)
+def test_greedy_equals_plain_generate_and_the_lookups_find_keys(config, backend, monkeypatch):
+    """Lossless (greedy = plain `generate`) while the drafts really attend induction keys: a repetitive
+    prompt gives every lookup matches (some old, so attended). The Triton backend (the interpreter on
+    CPU, ~25 s a case) runs the delayed and the synchronous schedule."""
+    found = []
+    original = induction_keys.write_induction_offsets
+
+    def spy(store, slots, offsets):
+        found.append(int((offsets != NO_OFFSET).sum()))
+        original(store, slots, offsets)
+
+    monkeypatch.setattr("hf_sparsespec.runner.write_induction_offsets", spy)
+    model = tiny_model("qwen2")
+    ids, mask = ragged_batch([9, 14, 5])
+    ids[:, -6:] = torch.tensor([3, 4, 5, 3, 4, 5])  # repeated tokens: matches from the start
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24 if backend == "torch" else 12,
+                              do_sample=False)  # fmt: skip
+    config = dataclasses.replace(config, backend=backend)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=expected.shape[1] - ids.shape[1],
+                             do_sample=False, generation_strategy="sparsespec", sparsespec_config=config,
+                             return_dict_in_generate=True)  # fmt: skip
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sparsespec_stats.total.cycles > 0
+    assert found and sum(found) > 0
