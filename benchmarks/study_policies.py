@@ -383,36 +383,30 @@ def induction_keys(view: DraftView, top: int, num_keys: int) -> torch.Tensor:
     return mask.scatter_(-1, (latest + 1).clamp(min=0), latest >= 0)
 
 
-class Induction(Policy):
+class Induction(Diagonal):
     """PillarAttn plus, at every draft step, the successors of the latest `top` earlier occurrences of
     the token the draft reads, in every layer and KV head: the keys induction heads attend ("after
     the last time this token came, the text went on with ..."). The matches come from the token ids
     alone (no key is read to find them), refresh at every step with the draft's own token, and add
-    `top` keys at most. `diagonal=1` adds the diagonal policy's moved keys as well."""
+    `top` keys at most. `diagonal=1` adds the diagonal policy's moved keys (its top 1 per head) as well."""
 
     def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 4, diagonal: int = 0, **common):
         super().__init__(name, min_budget, budget_ratio, **common)
-        self.top, self.diagonal = top, diagonal
-        self.offsets: list[torch.Tensor | None] = []
-
-    def bind(self, rows, num_layers):
-        super().bind(rows, num_layers)
-        self.offsets = [None] * num_layers
+        self.matches, self.diagonal = top, diagonal
 
     def after_verify(self, layer, view):
-        super().after_verify(layer, view)
         if self.diagonal:
-            self.offsets[layer] = diagonal_offsets(view, 1)
+            super().after_verify(layer, view)  # PillarAttn's set and the moved keys' offsets
+        else:
+            Policy.after_verify(self, layer, view)  # no offsets: `Diagonal.draft` adds no moved keys
 
     def draft(self, layer, view):
-        base, extra = super().draft(layer, view)
-        mask = base | induction_keys(view, self.top, base.shape[-1])[:, None, :]
-        if self.diagonal and self.offsets[layer] is not None:
-            mask = mask | moved_keys(self.offsets[layer], view.position, base.shape[-1])
+        mask, extra = super().draft(layer, view)
+        mask = mask | induction_keys(view, self.matches, mask.shape[-1])[:, None, :]
         return mask & view.old[:, None, :], extra
 
     def describe(self):
-        return f"{self.name} (successors of the latest {self.top} matches{' + diagonal' if self.diagonal else ''})"
+        return f"{self.name} (successors of the latest {self.matches} matches{' + diagonal' if self.diagonal else ''})"
 
 
 POLICIES = {
