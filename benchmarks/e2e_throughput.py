@@ -5,11 +5,15 @@ transformers `generate` with the static cache, our autoregressive mode, our Spar
         --runs hf_static,ar,pillar,streaming --out $OUT
     python benchmarks/e2e_throughput.py --random qwen2.5-1.5b --batch 64 --new-tokens 256   # shapes only
 
-Every run decodes the same prompts (mmath AIME/MATH, chat template; random ids with `--random`),
-bf16, sampling T=0.65 (top-k and top-p off), a forced length (min_new_tokens = max_new_tokens).
+Every run decodes the same prompts (mmath AIME/MATH, chat template; `--prompts mixed` alternates them
+with HumanEval tasks; random ids with `--random`), bf16 (`--dtype`), sampling T=0.65 (top-k and top-p
+off), a forced length (min_new_tokens = max_new_tokens). `--repeat-kv-heads R` repeats every KV head of
+the model R times (`loading.repeat_kv_heads`): the same function and acceptance with R x the KV bytes per
+token, the KV-bound regime of models with more KV heads.
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
 (`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `streaming`, `dense`, `ar_compiled` /
-`pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first), and the ablation ladder of the paper:
+`pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first),
+`adaptive` (`adaptive_draft_tokens=True`), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
@@ -52,8 +56,8 @@ import numpy as np
 import torch
 import transformers
 import triton
-from loading import add_model_arguments, load_gguf, random_model
-from prompts import left_pad, reasoning_prompts
+from loading import add_model_arguments, load_model
+from prompts import left_pad, mixed_prompts, reasoning_prompts
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_sparsespec
@@ -76,6 +80,7 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),
     "dense": dict(selection="dense"),
+    "adaptive": dict(adaptive_draft_tokens=True),
     "naive": dict(scheduler="naive", delayed_verification=False, cuda_graphs=False),
     "unified": dict(delayed_verification=False, cuda_graphs=False),
     "delayed": dict(cuda_graphs=False),
@@ -218,7 +223,7 @@ def pool_for_a_fraction(model, prompts, new_tokens: int, fraction: float, config
     """Pages that hold the worst cases (prompt + new tokens + one block) of `fraction` of the requests."""
     spec = config.num_draft_tokens + 1
     pages = sorted(-(-(len(p) + new_tokens + spec) // config.page_size) for p in prompts)
-    return sum(pages[: max(1, int(len(prompts) * fraction))])
+    return max(sum(pages[: max(1, int(len(prompts) * fraction))]), pages[-1])  # the largest fits alone
 
 
 def sync(model) -> None:
@@ -252,12 +257,16 @@ def main() -> None:
                         help="prompts in all (default: --batch); more keep the batch full as requests finish "
                              "(continuous batching; HF static decodes them --batch at a time)")
     parser.add_argument("--new-tokens", type=int, default=2048)
+    parser.add_argument("--prompts", choices=["mmath", "mixed"], default="mmath",
+                        help="mmath: AIME/MATH reasoning; mixed: mmath and HumanEval alternating (a real model)")
     parser.add_argument("--runs", default="hf_static,ar,pillar,streaming")
     parser.add_argument("--min-budget", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="model and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--kv-policy", default="dynamic", help="comma list of dynamic, reserve: each run under each")
     parser.add_argument("--num-pages", default=None,
                         help="KV pages per layer, or 'third' / '1/N' (room for the worst cases of 1/3 or 1/N of the requests)")
@@ -272,17 +281,18 @@ def main() -> None:
         parser.error(f"--requests ({args.requests}) must be at least --batch ({args.batch})")
 
     started = time.perf_counter()
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device == "cuda" else torch.float32
+    model, tokenizer = load_model(args, dtype, args.device)
     if args.gguf is not None:
-        model, tokenizer = load_gguf(args.gguf, torch.bfloat16, args.device)
-        prompts = reasoning_prompts(tokenizer, args.requests)
+        prompts = (mixed_prompts if args.prompts == "mixed" else reasoning_prompts)(tokenizer, args.requests)
         eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
     else:
-        model, tokenizer = random_model(args.random, torch.bfloat16 if args.device == "cuda" else torch.float32,
-                                        args.device)  # fmt: skip
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(100, 250, args.requests)]
         eos, pad = None, 0
     name = args.gguf.name if args.gguf is not None else f"random {args.random}"
+    if args.repeat_kv_heads != 1:
+        name += f" (KV heads x{args.repeat_kv_heads}: {model.config.num_key_value_heads})"
     print(f"loaded {name} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts", flush=True)
     n = args.new_tokens
     sampling = dict(do_sample=False) if args.greedy else dict(do_sample=True, temperature=args.temperature, top_k=0,
@@ -320,7 +330,7 @@ def main() -> None:
             if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
                 # dynamo's compilation with compile_forward); graphs are per call and are captured again
                 started = time.perf_counter()
-                short = GenerationConfig(**{**settings, "max_new_tokens": 48, "min_new_tokens": 48})
+                short = GenerationConfig(**{**settings, "max_new_tokens": min(48, n), "min_new_tokens": min(48, n)})
                 hf_sparsespec.generate_batch(model, prompts, short, config)
                 print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
             # the AR mode (no drafts) scores nothing: its rows are verifications of one token, unscored
@@ -342,7 +352,7 @@ def main() -> None:
     hf = runs.get("hf_static", {}).get("tokens_per_s")
     ar = runs.get("ar", {}).get("tokens_per_s")
     decoding = "greedy" if args.greedy else f"T={args.temperature}"
-    print(f"\n{name}, batch {args.batch} x {n} new tokens ({args.stop}), bf16, {decoding}, "
+    print(f"\n{name}, batch {args.batch} x {n} new tokens ({args.stop}), {str(dtype)[6:]}, {decoding}, "
           f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
           f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "

@@ -50,6 +50,32 @@ def load_gguf(path: Path, dtype: torch.dtype, device: str):
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
+def repeat_kv_heads(model, factor: int):
+    """Repeat every KV head of `model` `factor` times, in place: each row block of `k_proj`/`v_proj` (and
+    bias) becomes `factor` copies and `num_key_value_heads` grows by `factor`. Query head h then reads KV
+    head h // (group / factor), a copy of the one it read before, so the model computes the same function
+    (the same tokens, the same acceptance) with `factor` x the KV bytes per token: a real model's weights
+    in the KV-bound regime of models with more KV heads (Qwen2.5-Coder-1.5B has 2; Qwen3-1.7B and -8B 8).
+    `factor` must divide the GQA group."""
+    config = model.config.get_text_config()
+    q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if factor < 1 or (q_heads // kv_heads) % factor:
+        raise ValueError(f"factor must divide the GQA group ({q_heads // kv_heads}), got {factor}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for projection in (attention.k_proj, attention.v_proj):
+            weight = projection.weight.data.view(kv_heads, head_dim, -1).repeat_interleave(factor, dim=0)
+            projection.weight = torch.nn.Parameter(weight.reshape(kv_heads * factor * head_dim, -1).contiguous())
+            if projection.bias is not None:
+                bias = projection.bias.data.view(kv_heads, head_dim).repeat_interleave(factor, dim=0)
+                projection.bias = torch.nn.Parameter(bias.reshape(-1).contiguous())
+            projection.out_features = kv_heads * factor * head_dim
+        attention.num_key_value_groups = q_heads // (kv_heads * factor)
+    config.num_key_value_heads = kv_heads * factor
+    return model
+
+
 def random_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
     """A Qwen2 model with random weights and the shape `RANDOM_SHAPES[name]` (no tokenizer)."""
     torch.manual_seed(seed)
@@ -65,6 +91,20 @@ def add_model_arguments(parser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", type=Path)
     source.add_argument("--random", choices=sorted(RANDOM_SHAPES))
+    parser.add_argument("--repeat-kv-heads", type=int, default=1, metavar="R",
+                        help="repeat every KV head R times (repeat_kv_heads): the same model and outputs with "
+                             "R x the KV bytes per token (R divides the GQA group)")
+
+
+def load_model(args, dtype: torch.dtype, device: str):
+    """(model, tokenizer or None) from `add_model_arguments`' arguments."""
+    if args.gguf is not None:
+        model, tokenizer = load_gguf(args.gguf, dtype, device)
+    else:
+        model, tokenizer = random_model(args.random, dtype, device)
+    if args.repeat_kv_heads != 1:
+        repeat_kv_heads(model, args.repeat_kv_heads)
+    return model, tokenizer
 
 
 def main() -> None:

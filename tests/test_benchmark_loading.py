@@ -1,0 +1,49 @@
+"""benchmarks/loading.py's `repeat_kv_heads`: a model with every KV head repeated computes the same function
+(so a real model's acceptance carries over) while its cache holds `factor` x the KV heads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from loading import repeat_kv_heads  # noqa: E402
+
+import hf_sparsespec  # noqa: E402
+from hf_sparsespec.validation import model_geometry  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_repeated_kv_heads_compute_the_same_logits(arch):
+    original = tiny_model(arch, num_attention_heads=8, num_key_value_heads=2)  # a GQA group of 4
+    ids = torch.randint(3, 96, (2, 23))
+    expected = original(ids).logits
+    for factor, kv_heads in [(2, 4), (4, 8)]:
+        model = repeat_kv_heads(tiny_model(arch, num_attention_heads=8, num_key_value_heads=2), factor)
+        assert model_geometry(model).num_kv_heads == kv_heads
+        attention = model.model.layers[0].self_attn
+        assert attention.k_proj.weight.shape[0] == kv_heads * model_geometry(model).head_dim
+        cache = model(ids, use_cache=True).past_key_values
+        assert cache.layers[0].keys.shape[1] == kv_heads  # the cache really holds the repeated heads
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sparsespec_on_repeated_kv_heads_equals_plain_generate():
+    original = tiny_model("qwen2")
+    model = repeat_kv_heads(tiny_model("qwen2"), 2)
+    ids = torch.randint(3, 96, (1, 40))
+    expected = original.generate(ids, max_new_tokens=24, do_sample=False)
+    config = hf_sparsespec.SparseSpecConfig(num_draft_tokens=4, min_budget=8, page_size=4)
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, generation_strategy="sparsespec",
+                         sparsespec_config=config)  # fmt: skip
+    assert out.tolist() == expected.tolist()
+
+
+def test_factor_must_divide_the_group():
+    with pytest.raises(ValueError, match="must divide the GQA group"):
+        repeat_kv_heads(tiny_model("llama"), 3)
