@@ -183,7 +183,10 @@ class BatchBuilder:
         self.group, self.num_kv_heads, self.plan_items = group, num_kv_heads, plan_items
         self.num_params, self.pad = num_params, pad
 
-    def build(self, rows: list[ScheduledRow], allocator) -> HostBatch:
+    def build(self, rows: list[ScheduledRow], allocator, bucket=None) -> HostBatch:
+        """`bucket(verify_rows, draft_rows, shifted) -> (verify_rows', draft_rows', shifted')`, optional:
+        the bucket to pad a decode iteration to instead of its own (at least as large, shifted if it is;
+        the runner's `bucket`, which picks a captured graph)."""
         k, spec, width, dummy = self.k, self.k + 1, self.width, self.num_slots
         n_rows = len(rows)
         # --- per row (the one Python loop) ---
@@ -229,6 +232,10 @@ class BatchBuilder:
         padded = self.pad and n_p == 0
         v_pad = round_up_rows(n_v, self.num_slots, spec) if padded else n_v
         d_pad = round_up_rows(n_d, self.num_slots) if padded else n_d
+        if padded and bucket is not None:
+            needs_shift = shifted
+            v_pad, d_pad, shifted = bucket(v_pad, d_pad, shifted)
+            assert v_pad >= n_v and d_pad >= n_d and shifted >= needs_shift, "a bucket must hold the iteration"
         prefill_samples = np.flatnonzero(is_prefill & samples)
         real_tokens = int(n_tok.sum())
         num_tokens = v_pad * spec + d_pad if padded else real_tokens

@@ -195,7 +195,7 @@ class Engine:
         for row in rows:
             if row.kind is RowKind.PREFILL and row.first_position == 0:  # admitted this iteration
                 self.runner.write_history(row.request.slot, row.request.padding + row.request.prompt)
-        batch = self.builder.build(rows, self.cache.allocator)
+        batch = self.builder.build(rows, self.cache.allocator, self.runner.bucket)
         self.pending.append(self.runner.run(batch))
         keep = 1 if self.config.delayed_verification else 0
         while len(self.pending) > keep:

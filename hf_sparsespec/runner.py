@@ -8,8 +8,9 @@ transformers forward with the `"sparsespec"` attention, logits processing, sampl
 the writes of drafts / first tokens / committed tokens back into the token buffer and of the
 results into a static buffer. It reads nothing but device buffers whose addresses never change, so an
 iteration of a padded bucket shape (no prefill rows) is captured once per shape in a CUDA graph and
-replayed afterwards; other iterations, every iteration on CPU, and pipelines with host-synchronising
-logits processors run the same function eagerly.
+replayed afterwards, and a new shape replays a larger captured one while it is new (`graph_buckets`);
+other iterations, every iteration on CPU, and pipelines with host-synchronising logits processors run
+the same function eagerly.
 
 Buffers owned here (the last row of every per-slot buffer is the dummy slot that padding writes):
     token_buffer  [num_slots + 1, history_width] int64  every request's padding, prompt and tokens
@@ -30,6 +31,7 @@ import torch
 
 from hf_sparsespec.batch import HostBatch, StepShape
 from hf_sparsespec.config import SCORED_SELECTIONS
+from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
 from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref, position_keys_ref
@@ -38,10 +40,11 @@ from hf_sparsespec.step import StepBatch
 
 logger = logging.getLogger(__name__)
 
-# captured shapes kept; later shapes run eagerly. The graphs share one memory pool (a capture reuses
-# what the previous ones freed), a capture costs ~35 ms, an eager iteration ~30 ms at 256 requests:
-# a batch whose requests finish at different iterations passes through a few hundred padded shapes
-# (64 left 3,155 of 17,501 iterations eager at 256 x 8192 on the H200)
+# captured shapes kept; later shapes borrow a larger graph or run eagerly (`graph_buckets`). The graphs
+# share one memory pool (a capture reuses what the previous ones freed); at 256 requests on the H200 a
+# capture costs ~63 ms and an eager iteration ~58 ms (docs/measurements.md 9): a batch whose requests
+# finish at different iterations passes through a few hundred padded shapes (a cap of 64 left 3,155 of
+# 17,501 iterations eager at 256 x 8192)
 MAX_GRAPHS = 512
 
 
@@ -141,7 +144,7 @@ class ModelRunner:
             self.best = torch.zeros(shape, dtype=torch.int64, device=device)
         self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
         self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, StepViews]] = {}
-        self.seen: dict[StepShape, int] = {}  # eager runs of each graph-able shape
+        self.buckets = GraphBuckets(k + 1)  # which buckets have graphs, and which a new bucket borrows
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.checked_attention = False
@@ -164,6 +167,13 @@ class ModelRunner:
             history = history.pin_memory()
         self.token_buffer[slot, : len(tokens)].copy_(history, non_blocking=True)
 
+    def bucket(self, verify_rows: int, draft_rows: int, shifted: bool) -> Bucket:
+        """The bucket to build a padded decode iteration for (`graph_buckets.GraphBuckets.choose`):
+        with graphs, a new bucket replays a larger captured one while it is new."""
+        if not self.use_graphs:
+            return verify_rows, draft_rows, shifted
+        return self.buckets.choose((verify_rows, draft_rows, shifted))
+
     def run(self, batch: HostBatch) -> PendingResults:
         shape = batch.shape
         captured = self.graphs.get(shape) if self.use_graphs and shape.padded else None
@@ -179,10 +189,9 @@ class ModelRunner:
         else:
             self._step(views, batch)
             self.counters.eager_iterations += 1
+            # a bucket seen once may be a transient (requests joining or leaving): captured when seen again
             if self.use_graphs and shape.padded and len(self.graphs) < MAX_GRAPHS:
-                # a shape seen once may be a transient (requests joining or leaving): capture the second
-                self.seen[shape] = self.seen.get(shape, 0) + 1
-                if self.seen[shape] >= 2:
+                if self.buckets.ran_eagerly(_bucket_of(shape)):
                     self._capture(shape, views)
         pending = self._start_read(batch)
         if end is not None:
@@ -262,6 +271,7 @@ class ModelRunner:
             return
         torch.cuda.current_stream().wait_stream(stream)
         self.graphs[shape] = (graph, views)
+        self.buckets.add(_bucket_of(shape))
         self.counters.graphs_captured += 1
         self.counters.capture_seconds += time.perf_counter() - began
 
@@ -466,3 +476,8 @@ class ModelRunner:
         if not self.logits_to_keep:
             logits = logits[logits_index]
         return logits.float()  # [num_logits, vocab]
+
+
+def _bucket_of(shape: StepShape) -> Bucket:
+    """The bucket a padded decode shape was built for (`BatchBuilder.build`): it determines the shape."""
+    return shape.num_verify_rows, shape.num_draft_rows, shape.shifted
