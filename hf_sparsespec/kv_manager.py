@@ -106,6 +106,11 @@ class KVManager:
         return self._stats
 
     @property
+    def offloaded_request_ids(self) -> frozenset[int]:
+        """The requests moved to the host at least once."""
+        return frozenset(self._offloaded_ids)
+
+    @property
     def num_away(self) -> int:
         return len(self._away)
 
