@@ -11,7 +11,7 @@ off), a forced length (min_new_tokens = max_new_tokens). `--repeat-kv-heads R` r
 the model R times (`loading.repeat_kv_heads`): the same function and acceptance with R x the KV bytes per
 token, the KV-bound regime of models with more KV heads.
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
-(`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `streaming`, `dense`, `ar_compiled` /
+(`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `induction_diagonal`, `streaming`, `dense`, `ar_compiled` /
 `pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first),
 `adaptive` (`adaptive_draft_tokens=True`), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -76,6 +76,7 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "diagonal_compiled": dict(selection="diagonal", compile_forward=True),
     "induction": dict(selection="induction"),
     "induction_compiled": dict(selection="induction", compile_forward=True),
+    "induction_diagonal": dict(selection="induction_diagonal"),
     "pillar": dict(),
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),

@@ -73,14 +73,15 @@ def sparsespec_attention(
         if score:
             ops.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, store, layer_idx,
                                  step.verify_slots, step.scores, scale, step.spec_len, step.backend.name,
-                                 moved_store if step.verify_moves else None, step.best)  # fmt: skip
+                                 moved_store if step.verify_moves else None, step.best, step.verify_moves)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip
     if score:
         step.backend.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, selected,
                                       step.verify_slots, step.scores, scale, step.spec_len,
-                                      offsets=offsets if step.verify_moves else None, best=step.best)  # fmt: skip
+                                      offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,
+                                      best=step.best)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

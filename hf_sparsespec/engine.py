@@ -24,7 +24,7 @@ import torch
 from hf_sparsespec.attention import ATTENTION_NAME, use_attention
 from hf_sparsespec.batch import BatchBuilder, DevicePageTable, StepShape
 from hf_sparsespec.cache.paged_cache import SparseSpecCache
-from hf_sparsespec.config import SparseSpecConfig
+from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SparseSpecConfig
 from hf_sparsespec.kernels.attention_plan import MAX_BLOCK_M, PlanCapacity, target_items
 from hf_sparsespec.kernels.backend import get_backend
 from hf_sparsespec.kv_manager import KVManager
@@ -55,7 +55,7 @@ class EngineLayout:
     history_width: int  # columns of the token buffer
     max_budget: int  # width of the selected-index store
     num_moved: int  # width of the moved-key offsets store: (k + 1) x group for "diagonal", the
-    # induction keys for "induction", else 0
+    # induction keys for "induction", both for "induction_diagonal" (in that order), else 0
 
 
 class Engine:
@@ -153,11 +153,11 @@ class Engine:
         max_budget = 1 if config.selection == "dense" or self.k == 0 else config.budget(max_context)
         max_budget = _round_up(max_budget, STRIDE_ALIGNMENT) if max_budget > 1 else 1
         group = geometry.num_q_heads // geometry.num_kv_heads
-        num_moved = 0  # moved-key entries per (layer, slot, KV head)
-        if config.selection == "diagonal" and self.k > 0:
-            num_moved = (self.k + 1) * group
-        elif config.selection == "induction" and self.k > 0:
-            num_moved = config.num_induction_keys
+        num_moved = 0  # moved-key entries per (layer, slot, KV head): the diagonal's first, then induction keys
+        if config.selection in DIAGONAL_SELECTIONS and self.k > 0:
+            num_moved += (self.k + 1) * group
+        if config.selection in INDUCTION_SELECTIONS and self.k > 0:
+            num_moved += config.num_induction_keys
         return EngineLayout(num_slots, num_pages, history_width, max_budget, num_moved)
 
     def _largest_step(self, num_params: int, group: int, items: int) -> tuple[StepShape, int]:

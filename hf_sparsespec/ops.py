@@ -71,20 +71,21 @@ def update_selection(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, budgets: torch.Tensor, selected: torch.Tensor, layer: int,
     slots: torch.Tensor, scores: torch.Tensor | None, scale: float, max_queries: int, backend: str,
-    moved_offsets: torch.Tensor | None, best: torch.Tensor | None,
+    moved_offsets: torch.Tensor | None, best: torch.Tensor | None, num_moves: int,
 ) -> None:  # fmt: skip
-    """Writes `selected[layer]` (and `moved_offsets[layer]`, the diagonal selection's; `best` is its
-    workspace); the whole stores are the mutated arguments: a compiled graph loses mutations of a
-    view of a tensor it did not receive as an input. The optional mutated arguments have no defaults:
+    """Writes `selected[layer]` (and the first `num_moves` entries of `moved_offsets[layer]`, the
+    diagonal selection's; `best` is its workspace); the whole stores are the mutated arguments: a
+    compiled graph loses mutations of a view of a tensor it did not receive as an input. The optional
+    mutated arguments have no defaults:
     torch 2.10-2.11 drop arguments equal to their defaults and then fail to find them
     (IndexError, pytorch/pytorch#176078)."""
     _backend(backend, query.device).update_selection(
         query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected[layer], slots, scores, scale,
-        max_queries, offsets=moved_offsets[layer] if moved_offsets is not None else None, best=best,
+        max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None, best=best,
     )
 
 
 @update_selection.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, layer, slots, scores, scale,
-      max_queries, backend, moved_offsets, best):  # fmt: skip
+      max_queries, backend, moved_offsets, best, num_moves):  # fmt: skip
     return None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_sparsespec.batch import HostBatch, StepShape
-from hf_sparsespec.config import SCORED_SELECTIONS
+from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
@@ -134,13 +134,14 @@ class ModelRunner:
             if self.scores_verify_rows:
                 shape = (largest.num_verify_rows, cache.num_kv_heads, history_width)
                 self.scores = torch.empty(shape, dtype=torch.float32, device=device)
-        # which selection writes the moved-key store: "diagonal" at verifications, "induction" before
-        # each iteration's drafts
-        self.verify_moves = selection == "diagonal" and cache.moved_offsets is not None
-        self.induction = selection == "induction" and cache.moved_offsets is not None
-        self.best = None  # the diagonal selection's workspace (Triton): zeros, and zeroed again after each use
+        # who writes the moved-key store: the verifications its first (k + 1) x group entries ("diagonal",
+        # "induction_diagonal"), the induction lookup before each iteration's drafts the rest
+        has_store = cache.moved_offsets is not None
+        self.verify_moves = (k + 1) * group if selection in DIAGONAL_SELECTIONS and has_store else 0
+        self.induction = selection in INDUCTION_SELECTIONS and has_store
+        self.best = None  # the diagonal moves' workspace (Triton): zeros, and zeroed again after each use
         if backend.needs_plan and self.verify_moves:
-            shape = (largest.num_verify_rows, cache.num_kv_heads, cache.moved_offsets.shape[-1])
+            shape = (largest.num_verify_rows, cache.num_kv_heads, self.verify_moves)
             self.best = torch.zeros(shape, dtype=torch.int64, device=device)
         self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
         self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, StepViews]] = {}
@@ -305,10 +306,11 @@ class ModelRunner:
             prefix_len = prefix_len + shift[f["logits_row"].long()]
         if self.induction and shape.num_draft_rows:  # after the shift: each draft's own position and token
             reads = draft_write - 1  # each draft row's last token, the one it reads
+            store = self.cache.moved_offsets[..., self.verify_moves :]  # after the diagonal's entries, if any
             offsets = induction_offsets(self.token_buffer, reads, f["draft_row_base"].long(),
-                                        f["draft_recent_start"], self.cache.moved_offsets.shape[-1])  # fmt: skip
+                                        f["draft_recent_start"], store.shape[-1])  # fmt: skip
             slots = torch.div(f["draft_row_base"].long(), self.token_buffer.shape[1], rounding_mode="floor")
-            write_induction_offsets(self.cache.moved_offsets, slots, offsets)
+            write_induction_offsets(store, slots, offsets)
         compiled = self._compiles(shape)
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
         # instead and must see the same ints when replayed as when captured (or it would recompile there)

@@ -44,11 +44,12 @@ class StepBatch:
     verify_slots: torch.Tensor  # [num_verify_rows] int64, slots whose selection the rows rewrite
     scores: torch.Tensor | None  # [num_verify_rows, num_kv_heads, max_context] fp32 workspace
     score_verify_rows: bool  # PillarAttn (and "diagonal") selects inside the verification attention
-    # --- the "diagonal" selection (None otherwise) ---
-    best: torch.Tensor | None  # [num_verify_rows, num_kv_heads, num_moved] int64 workspace, zeros between layers
+    # --- the "diagonal" moved keys (None otherwise) ---
+    best: torch.Tensor | None  # [num_verify_rows, num_kv_heads, verify_moves] int64 workspace, zeros between layers
     max_context: int  # the longest context any request of the engine reaches (sliding-window guard)
     attention_calls: int = field(default=0)
     compiled: bool = False  # inside a torch.compile'd forward: call the ops through `hf_sparsespec.ops`
     num_full_rows_tensor: torch.Tensor | None = None  # [1] int32, `num_full_rows` for the custom op
-    # the verifications write the moved-key store ("diagonal"); "induction" fills it before the forward
-    verify_moves: bool = False
+    # entries of the moved-key store the verifications write: its first (k + 1) x group ("diagonal",
+    # "induction_diagonal"); 0: none. "induction" keys (the rest of the store) are filled before the forward
+    verify_moves: int = 0

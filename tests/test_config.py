@@ -32,7 +32,9 @@ def test_defaults():
         ("min_draft_tokens", 0, r"min_draft_tokens must be >= 1, got 0"),
         ("adaptive_draft_tokens", "on", r"adaptive_draft_tokens must be a bool, got 'on'"),
         ("scheduler", "lockstep", r"scheduler must be one of \('unified', 'naive'\), got 'lockstep'"),
-        ("selection", "oracle", r"selection must be one of \('pillar', 'diagonal', 'induction', 'streaming', 'dense'\), got 'oracle'"),
+        ("selection", "oracle",
+         r"selection must be one of \('pillar', 'diagonal', 'induction', 'induction_diagonal', 'streaming', 'dense'\), "
+         r"got 'oracle'"),
         ("selection", "Diagonal", r"selection must be one of .*, got 'Diagonal'"),
         ("page_size", 0, r"page_size must be in \[1, 4096\], got 0"),
         ("max_num_requests", -3, r"max_num_requests must be >= 1, got -3"),

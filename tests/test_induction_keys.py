@@ -113,3 +113,56 @@ def test_greedy_equals_plain_generate_and_the_lookups_find_keys(config, backend,
     assert_greedy_equal(model, expected, out.sequences, mask)
     assert out.sparsespec_stats.total.cycles > 0
     assert found and sum(found) > 0
+
+
+COMBINED = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction_diagonal",
+                            num_induction_keys=3)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_induction_diagonal_fills_both_parts_of_the_store_and_equals_plain_generate(backend, monkeypatch):
+    """`"induction_diagonal"`: the verifications write the store's first (k + 1) x group entries (the
+    diagonal's moved keys) and the lookups the last `num_induction_keys`, neither clobbering the other,
+    and greedy still equals plain `generate`."""
+    from hf_sparsespec.attention import use_attention
+    from hf_sparsespec.engine import Engine
+    from hf_sparsespec.results import StopChecker
+    from hf_sparsespec.sampling import LogitsPipeline
+    from hf_sparsespec.scheduler import Request
+
+    widths = []  # of the store views the lookups write: the induction part alone
+    original = induction_keys.write_induction_offsets
+    monkeypatch.setattr("hf_sparsespec.runner.write_induction_offsets",
+                        lambda store, slots, offsets: widths.append(store.shape[-1]) or original(store, slots, offsets))
+    model = tiny_model("qwen2")
+    ids, mask = ragged_batch([9, 14, 5])
+    ids[:, -6:] = torch.tensor([3, 4, 5, 3, 4, 5])
+    new_tokens = 20 if backend == "torch" else 10
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    config = dataclasses.replace(COMBINED, backend=backend)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
+    assert_greedy_equal(model, expected, out, mask)
+
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    requests = [Request(i, p, new_tokens, batch_row=i) for i, p in enumerate(prompts)]
+    engine = Engine(model, requests, config, LogitsPipeline([]), False, StopChecker(set(), [], torch.device("cpu")))
+    diagonal = (config.num_draft_tokens + 1) * (model.config.num_attention_heads // model.config.num_key_value_heads)
+    store = engine.cache.moved_offsets
+    assert store.shape[-1] == diagonal + config.num_induction_keys
+    seen = {"diagonal": 0, "induction": 0}
+    step = engine.step
+
+    def step_and_look():
+        step()
+        slots = store[:, : engine.layout.num_slots]
+        seen["diagonal"] = max(seen["diagonal"], int((slots[..., :diagonal] != NO_OFFSET).sum()))
+        seen["induction"] = max(seen["induction"], int((slots[..., diagonal:] != NO_OFFSET).sum()))
+
+    engine.step = step_and_look
+    with use_attention(model), torch.no_grad():
+        engine.run()
+    assert seen["diagonal"] > 0 and seen["induction"] > 0
+    assert widths and set(widths) == {config.num_induction_keys}
+    assert [r.generated for r in requests] == [out[i, ids.shape[1] :].tolist() for i in range(len(prompts))]

@@ -348,7 +348,10 @@ def test_autoregressive_mode_stops_at_eos_with_iterations_in_flight():
 
 
 
-@pytest.mark.parametrize(("selection", "backend"), [("pillar", "torch"), ("diagonal", "torch"), ("diagonal", "triton")])
+@pytest.mark.parametrize(
+    ("selection", "backend"),
+    [("pillar", "torch"), ("diagonal", "torch"), ("induction_diagonal", "torch"), ("diagonal", "triton")],
+)
 def test_compiled_forward_equals_eager(selection, backend):
     """`compile_forward`: the padded decode iterations' forward through torch.compile (the attention
     ops as custom ops, the diagonal selection's offsets store among their arguments) gives the same
