@@ -158,11 +158,11 @@ def test_slow_copies_keep_pages_in_transit_until_ordered(model, batch, unpressur
             assert offload_of[id(pages)].event.safe, "pages reused before the copy reading them was ordered"
         return original_release(self, pages)
 
-    def build(self, rows, allocator):
+    def build(self, rows, allocator, bucket=None):
         for row in rows:
             for page in allocator.page_table(row.request.request_id):
                 assert page not in restore_of or restore_of[page].event.safe, "ran before its restore"
-        return original_build(self, rows, allocator)
+        return original_build(self, rows, allocator, bucket)
 
     original_prepare = KVManager.prepare
 
