@@ -119,3 +119,16 @@ def shortened_cycles(stats, k: int, max_new_tokens: int) -> int:
         shortened += drafted < min(k, max_new_tokens - generated - 1)
         generated += accepted + 1
     return shortened
+
+
+def assert_same_decoding(engine_a, requests_a, engine_b, requests_b) -> None:
+    """Two engine runs over the same requests decoded the same: tokens and acceptance per request, the KV
+    of every page either run wrote (page pools start zeroed) and the token histories of every real slot
+    (the dummy slot, which padding rows write, may differ)."""
+    for a, b in zip(requests_a, requests_b):
+        assert a.generated == b.generated and a.stats.accepted_histogram == b.stats.accepted_histogram
+    for la, lb in zip(engine_a.cache.layers, engine_b.cache.layers):
+        torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(la.values, lb.values, rtol=0, atol=1e-5)
+    num_slots = engine_a.layout.num_slots
+    assert torch.equal(engine_a.runner.token_buffer[:num_slots], engine_b.runner.token_buffer[:num_slots])

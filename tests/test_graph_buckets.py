@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from models import tiny_model
+from models import assert_same_decoding, tiny_model
 
 from hf_sparsespec.attention import use_attention
 from hf_sparsespec.batch import round_up_rows
@@ -140,10 +140,4 @@ def test_an_iteration_in_a_larger_shifted_bucket_decodes_the_same(backend, do_sa
     padded = [(a, b) for a, b in zip(own_shapes, big_shapes) if b.padded]
     assert padded and all(b.num_tokens > a.num_tokens and b.shifted for a, b in padded)
     assert any(not a.shifted for a, _ in padded)  # unshifted iterations ran with the shift fields
-    for a, b in zip(own_requests, big_requests):
-        assert a.generated == b.generated and a.stats.accepted_histogram == b.stats.accepted_histogram
-    for la, lb in zip(own.cache.layers, big.cache.layers):
-        torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=1e-5)
-        torch.testing.assert_close(la.values, lb.values, rtol=0, atol=1e-5)
-    num_slots = own.layout.num_slots
-    assert torch.equal(own.runner.token_buffer[:num_slots], big.runner.token_buffer[:num_slots])
+    assert_same_decoding(own, own_requests, big, big_requests)
