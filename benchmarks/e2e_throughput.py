@@ -47,6 +47,7 @@ iterations launched while a copy was in flight over those of their nearest copy-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -135,6 +136,32 @@ class IdealCounter:
         self.add(int(qs[-1]), logits, int(ctx[:n_full].sum()), int(draft_keys.sum()), scored, attended)
 
 
+@contextlib.contextmanager
+def recording_triton_compiles(iteration):
+    """Yields a list that gets (iteration, seconds, kernel with its argument specialisation) for every
+    Triton kernel compiled (or loaded from Triton's disk cache) inside the block: a compilation in the
+    middle of a run is a multi-second iteration. Needs `triton.knobs` (Triton >= 3.4); else stays empty."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    log: list = []
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        yield log
+        return
+    started, previous = {}, (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+
+    def before(*args, **kwargs):
+        started[id(kwargs.get("key"))] = time.perf_counter()
+
+    def after(*args, **kwargs):
+        seconds = time.perf_counter() - started.pop(id(kwargs.get("key")), time.perf_counter())
+        log.append((iteration(), round(seconds, 3), str(kwargs.get("repr", "?"))[:400]))
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+    try:
+        yield log
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = previous
+
+
 def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool) -> dict:
     job = prepare_batch(model, prompts, gen_config)
     committed = [0]  # tokens committed so far
@@ -169,7 +196,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
     engine.runner.run = run
     sync(model)
     start = time.perf_counter()
-    with use_attention(model), torch.no_grad():
+    with use_attention(model), torch.no_grad(), recording_triton_compiles(lambda: len(row_counts)) as compiles:
         engine.run()
     sync(model)
     seconds = time.perf_counter() - start
@@ -199,6 +226,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
         "graph_replays": counters.graph_replays, "eager_iterations": counters.eager_iterations,
         "graphs_captured": counters.graphs_captured, "capture_seconds": counters.capture_seconds,
         "kv": engine.kv.stats.as_dict(), "copy_slowdown": copy_slowdown(gpu_ms, engine.kv.copy_iterations),
+        "triton_compiles": compiles,  # (iteration, seconds, kernel): compilations inside the timed run
         "outputs": [list(r.generated) for r in job.requests],
         "offloaded": sorted(engine.kv.offloaded_request_ids),
     }  # fmt: skip
@@ -375,6 +403,8 @@ def main() -> None:
                 result |= compare_outputs(*outputs[first], *outputs[label])
         report["runs"][label] = result
         print(f"{label}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)
+        for iteration, compile_seconds, kernel in result.get("triton_compiles", [])[:8]:
+            print(f"  Triton compiled at iteration {iteration} ({compile_seconds:.2f} s): {kernel}", flush=True)
         suffix = f"_{args.requests}requests" if args.requests != args.batch else ""
         (args.out / f"e2e_throughput_{args.batch}x{n}{suffix}.json").write_text(json.dumps(report, indent=1))
         if args.device == "cuda":

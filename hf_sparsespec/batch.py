@@ -43,6 +43,16 @@ from hf_sparsespec.kernels.attention_plan import PlanCapacity, block_sizes, plan
 from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, sample_keys, stream_keys
 from hf_sparsespec.scheduler import RowKind, ScheduledRow
 
+# Every field of the metadata buffer starts on a 16-byte boundary (4 int32): Triton specialises pointer
+# arguments on 16-byte alignment, so fields at offsets that followed the row counts would compile every
+# kernel again for the odd shapes of a draining batch (seconds each, in the middle of a run).
+FIELD_ALIGNMENT = 4
+
+
+def aligned(count: int) -> int:
+    """Room a field of `count` int32 takes in the metadata buffer (the next field stays aligned)."""
+    return -(-count // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -88,7 +98,8 @@ class StepShape:
 
     @property
     def size(self) -> int:
-        return sum(n for _, n in self.fields())
+        """int32 count of the metadata buffer, every field aligned (`FIELD_ALIGNMENT`)."""
+        return sum(aligned(n) for _, n in self.fields())
 
 
 # Padded tokens a bucket may add past 8 rows: a padded token costs as much as a real one (the GEMMs

@@ -133,7 +133,9 @@ class Engine:
         history_width = _round_up(max(r.history_offset + r.max_total_len + spec for r in requests),
                                   STRIDE_ALIGNMENT * config.page_size)  # fmt: skip
         pages = sorted(-(-(r.max_total_len + spec) // config.page_size) for r in requests)
-        needed = sum(pages[-num_slots:])  # room for the largest requests at once
+        # room for the largest requests at once, plus the dynamic policy's headroom (one speculative block
+        # a request, `KVManager.headroom`): a pool sized to the requests never offloads
+        needed = sum(pages[-num_slots:]) + num_slots * -(-spec // config.page_size)
         if config.num_pages is not None:
             num_pages = config.num_pages
         elif self.device.type == "cuda":

@@ -8,16 +8,21 @@ A batch that grows (admission) or shrinks (requests finishing at different itera
 many buckets, most of them only once or twice: at 256 x 2048 a SparseSpec run captured 89 graphs and
 ran 211 iterations eagerly, 37 % of its time.
 
-So a bucket borrows a larger captured graph while it is new: its first `BORROW_SIGHTINGS` iterations
-replay the captured bucket with the fewest tokens that holds it (more verify rows, more draft rows,
-shifted if it is; the extra rows are padding, which writes nothing and samples nothing), as long as
-that graph has at most `max(2 x tokens, tokens + 64)` tokens: a few replays of at most twice the
-work cost less than one eager iteration. A bucket seen again after that, or one that no captured graph
-holds, runs eagerly and is captured once it has been seen twice (its eager run just compiled every
-kernel it needs). Borrowing never changes a result: padding rows are inert and sampling noise is
-keyed per request and position, not per row. In a simulated 256-request batch that drains over
-~1,600 iterations (tests/test_graph_buckets.py) eager iterations fall from 245 to 100 and graphs from
-116 to 93; not yet measured on a GPU.
+So a bucket borrows a larger captured graph while it is new: it replays the captured bucket with the
+fewest tokens that holds it (more verify rows, more draft rows, shifted if it is; the extra rows are
+padding, which writes nothing and samples nothing), as long as that graph has at most
+`max(2 x tokens, tokens + 64)` tokens. How long it borrows is a rent-or-buy choice: a borrowed replay
+costs the padding tokens it computes for nothing, its own graph costs one eager iteration plus a capture
+(~100 ms on the H200 against ~0.0125 ms a padded token: a 256-row replay of ~480 tokens takes ~10 ms, a
+1-row one ~3.8 ms; docs/measurements.md 10). So a bucket borrows until its padding adds up to
+`CAPTURE_AFTER_PADDING_TOKENS` (~8,000 tokens, the price of a capture), then gets its own graph: a
+bucket that is seen a few times never pays for a capture, one that stays pays at most twice the
+optimum. A bucket that no captured graph holds runs eagerly and is captured once it has been seen
+twice (its eager run just compiled every kernel it needs). Borrowing never changes a result: padding
+rows are inert and sampling noise is keyed per request and position, not per row. In a simulated
+256-request batch that drains over ~1,600 iterations (tests/test_graph_buckets.py) eager iterations
+fall from 245 to 27 and graphs from 116 to 13. Measured on the H200 with a fixed 4 borrowings a
+bucket (docs/measurements.md 10): 211 -> 73 eager iterations, 10,847 -> 13,893 tok/s at 256 x 2048.
 
 Invariant (owned here): `captured` lists exactly the buckets the runner holds a graph for.
 """
@@ -28,7 +33,9 @@ from collections import Counter
 
 Bucket = tuple[int, int, bool]  # (verify rows, draft rows, shifted) of a padded decode iteration
 
-BORROW_SIGHTINGS = 4  # iterations a new bucket replays a larger graph before it gets its own
+# padding tokens a bucket may compute in borrowed graphs before it gets its own: an eager iteration plus
+# a capture (~100 ms) over the cost of a padded token in a replay (~0.0125 ms), both on the H200
+CAPTURE_AFTER_PADDING_TOKENS = 8192
 CAPTURE_SIGHTINGS = 2  # sightings (borrowed or eager) after which an eager bucket is captured
 
 
@@ -39,6 +46,7 @@ class GraphBuckets:
         self.spec_len = spec_len  # tokens per verify row (k + 1)
         self.captured: list[Bucket] = []
         self.borrowed: Counter[Bucket] = Counter()  # iterations each bucket ran in a larger graph
+        self.padding: Counter[Bucket] = Counter()  # padding tokens those iterations computed
         self.eager: Counter[Bucket] = Counter()  # eager iterations of each bucket
 
     def tokens(self, bucket: Bucket) -> int:
@@ -46,13 +54,15 @@ class GraphBuckets:
 
     def choose(self, bucket: Bucket) -> Bucket:
         """The bucket an iteration that needs `bucket` should be built for: its own when captured,
-        else (while new) the smallest captured bucket that holds it within the padding limit, else its own."""
-        if bucket in self.captured or self.borrowed[bucket] >= BORROW_SIGHTINGS:
+        else (until its padding has cost a capture) the smallest captured bucket that holds it within the
+        padding limit, else its own."""
+        if bucket in self.captured or self.padding[bucket] >= CAPTURE_AFTER_PADDING_TOKENS:
             return bucket
         larger = self.smallest_holding(bucket)
         if larger is None:
             return bucket
         self.borrowed[bucket] += 1
+        self.padding[bucket] += self.tokens(larger) - self.tokens(bucket)
         return larger
 
     def smallest_holding(self, bucket: Bucket) -> Bucket | None:

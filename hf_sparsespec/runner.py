@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_sparsespec.batch import HostBatch, StepShape
+from hf_sparsespec.batch import HostBatch, StepShape, aligned
 from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
@@ -206,7 +206,7 @@ class ModelRunner:
         for name, count in shape.fields():
             fields[name] = self.metadata[offset : offset + count]
             offsets[name] = (offset, count)
-            offset += count
+            offset += aligned(count)
         n = shape.num_logits
         fields["work"] = fields["work"].view(-1, 5)
         fields["merge"] = fields["merge"].view(-1, 5)

@@ -211,6 +211,18 @@ def test_unpressured_run_never_offloads(unpressured):
     assert kv.offloads == 0 and kv.policy == "dynamic" and kv.recomputed_prefill_tokens == 0
 
 
+@pytest.mark.parametrize("num_draft_tokens", [0, K])
+def test_a_pool_sized_from_the_requests_never_offloads(model, batch, num_draft_tokens):
+    # the pool sized itself to the requests' final lengths (no num_pages): the dynamic policy's headroom
+    # is part of it, so requests that all grow to their forced lengths together never move to the host
+    # (on the H200 an exactly-sized pool offloaded 2 requests of an autoregressive run near its end)
+    cfg = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=4, page_size=PAGE)
+    out = run(model, *batch, cfg, do_sample=False, min_new_tokens=NEW_TOKENS)
+    kv = out.sparsespec_stats.kv
+    assert out.sequences.shape[1] == batch[0].shape[1] + NEW_TOKENS
+    assert kv.policy == "dynamic" and kv.offloads == 0, kv
+
+
 def test_reserve_policy_admits_by_worst_case_and_matches(model, batch, unpressured, monkeypatch):
     """The baseline policy: same outputs, never offloads, and no more requests at once than worst cases fit."""
     ids, mask = batch

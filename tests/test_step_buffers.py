@@ -14,7 +14,14 @@ from transformers.generation import logits_process as lp
 
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.attention import use_attention
-from hf_sparsespec.batch import MAX_PADDING_TOKENS, BatchBuilder, DevicePageTable, round_up_rows
+from hf_sparsespec.batch import (
+    FIELD_ALIGNMENT,
+    MAX_PADDING_TOKENS,
+    BatchBuilder,
+    DevicePageTable,
+    aligned,
+    round_up_rows,
+)
 from hf_sparsespec.cache import PageAllocator
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.results import StopChecker
@@ -188,7 +195,7 @@ def test_builder_equals_the_per_row_construction(schedule):
         assert all(index == -1 for index in ref["shift_index"])
     if pad and not any(r.kind is RowKind.PREFILL for r in rows):
         assert shape.padded and shape.num_tokens == shape.num_verify_rows * spec + shape.num_draft_rows
-    assert shape.num_rows >= n_rows and shape.size == sum(n for _, n in shape.fields())
+    assert shape.num_rows >= n_rows and shape.size == sum(aligned(n) for _, n in shape.fields())
     # the work list covers each (row, key) of the real rows once; padding items are no-ops
     work = a["work"].reshape(-1, 5)
     assert work.shape[0] == shape.plan.num_work
@@ -312,6 +319,25 @@ def test_kernel_argument_strides_keep_their_divisibility_whatever_the_lengths(ma
     strides = [runner.page_table.stride(0), runner.token_buffer.stride(0), engine.cache.selected.stride(2)]
     strides += [runner.scores.stride(0), runner.scores.stride(1)]
     assert all(stride % 16 == 0 for stride in strides), strides
+
+
+def test_every_metadata_field_starts_16_byte_aligned_whatever_the_rows():
+    # Triton specialises pointer arguments on 16-byte alignment: a field that started wherever the row
+    # counts put it would compile every kernel again for the odd shapes of a draining batch (3 s
+    # iterations at 1-3 rows on the H200, docs/measurements.md 10)
+    model = tiny_model("qwen2")
+    config = SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4)
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7], [3] * 5]
+    for pad in (False, True):
+        engine, _, shapes = _run_engine(model, prompts, config, pad=pad, max_new_tokens=13)
+        runner = engine.runner
+        assert len({(s.num_rows, s.num_tokens) for s in shapes}) > 3  # odd shapes: rows join and leave
+        for shape in shapes:
+            views = runner._views(shape)
+            assert views.size == shape.size <= runner.metadata.numel()
+            for name, (offset, _) in views.offsets.items():
+                assert offset % FIELD_ALIGNMENT == 0, (name, offset, shape)
+                assert views.fields[name].data_ptr() % 16 == 0, name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
