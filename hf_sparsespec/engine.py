@@ -42,6 +42,14 @@ from hf_sparsespec.validation import (
 STRIDE_ALIGNMENT = 16
 
 
+def free_device_memory(device: torch.device) -> int:
+    """Bytes a new KV pool may take: the device's free memory plus what PyTorch's caching allocator holds
+    unused (a previous call's freed pool stays reserved there, invisible to `mem_get_info`, until
+    `torch.cuda.empty_cache()`; without it a second `generate` in a notebook would size a smaller pool)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -139,7 +147,7 @@ class Engine:
         if config.num_pages is not None:
             num_pages = config.num_pages
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free = free_device_memory(self.device)
             page_bytes = 2 * geometry.num_layers * config.page_size * geometry.num_kv_heads * geometry.head_dim
             page_bytes *= geometry.dtype.itemsize
             num_pages = max(1, min(needed, int(free * config.gpu_memory_fraction) // page_bytes))

@@ -327,3 +327,16 @@ def test_requests_join_the_least_loaded_bucket_by_waiting(policy):
     assert fresh.start_iteration == (27 if policy == "unified" else 26)
     assert fresh.verify_iteration == fresh.start_iteration + 4
     assert scheduler.verify_residues[1 if policy == "unified" else 0] == (2 if policy == "unified" else 6)
+
+
+def test_a_new_pool_counts_the_memory_the_caching_allocator_holds_unused(monkeypatch):
+    # a previous generate's pool, freed, stays reserved by PyTorch's caching allocator: mem_get_info does
+    # not count it as free, but the next pool may take it (a second generate in a notebook would
+    # otherwise size a smaller pool and offload)
+    from hf_sparsespec.engine import free_device_memory
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 96 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * gib)
+    assert free_device_memory(torch.device("cuda")) == (40 + 96 - 3) * gib
