@@ -13,7 +13,7 @@ token, the KV-bound regime of models with more KV heads.
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
 (`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `induction_diagonal`, `streaming`, `dense`, `ar_compiled` /
 `pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first),
-`adaptive` (`adaptive_draft_tokens=True`), and the ablation ladder of the paper:
+`adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
@@ -84,6 +84,7 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "streaming": dict(selection="streaming"),
     "dense": dict(selection="dense"),
     "adaptive": dict(adaptive_draft_tokens=True),
+    "adaptive_induction_diagonal": dict(adaptive_draft_tokens=True, selection="induction_diagonal"),
     "naive": dict(scheduler="naive", delayed_verification=False, cuda_graphs=False),
     "unified": dict(delayed_verification=False, cuda_graphs=False),
     "delayed": dict(cuda_graphs=False),

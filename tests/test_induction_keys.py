@@ -79,14 +79,14 @@ def test_store_writes_every_layer_and_head_of_the_slot():
 K4 = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction", num_induction_keys=4)
 NAIVE_SYNC = SparseSpecConfig(num_draft_tokens=6, min_budget=2, page_size=2, selection="induction", scheduler="naive",
                               delayed_verification=False)  # fmt: skip
-ADAPTIVE = SparseSpecConfig(num_draft_tokens=5, min_budget=3, page_size=8, selection="induction",
-                            adaptive_draft_tokens=True)  # fmt: skip
+ADAPTIVE = SparseSpecConfig(num_draft_tokens=5, min_budget=3, page_size=8, selection="induction_diagonal",
+                            adaptive_draft_tokens=True)  # fmt: skip  # adaptive cycles with both kinds of extra keys
 
 
 @pytest.mark.parametrize(
     ("config", "backend"),
     [(K4, "torch"), (NAIVE_SYNC, "torch"), (ADAPTIVE, "torch"), (K4, "triton"), (NAIVE_SYNC, "triton")],
-    ids=["k4-torch", "k6-naive-sync-torch", "k5-adaptive-torch", "k4-triton", "k6-naive-sync-triton"],
+    ids=["k4-torch", "k6-naive-sync-torch", "k5-adaptive-diagonal-torch", "k4-triton", "k6-naive-sync-triton"],
 )
 def test_greedy_equals_plain_generate_and_the_lookups_find_keys(config, backend, monkeypatch):
     """Lossless (greedy = plain `generate`) while the drafts really attend induction keys: a repetitive
