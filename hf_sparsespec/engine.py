@@ -15,6 +15,7 @@ runs t (a verifying request sits that one iteration out).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from hf_sparsespec.validation import (
     tensor_parallel_group,
 )
 
+logger = logging.getLogger(__name__)
 STRIDE_ALIGNMENT = 16
 
 
@@ -112,6 +114,11 @@ class Engine:
             self.scheduler.add(request)
         group = geometry.num_q_heads // geometry.num_kv_heads
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
+        if config.cuda_graphs and self.device.type == "cuda" and backend.needs_plan and not pipeline.graph_safe:
+            logger.warning(
+                "hf_sparsespec: the logits processors %s may synchronise with the host, so every iteration runs "
+                "eagerly without CUDA graphs (several times slower on a GPU)", ", ".join(pipeline.host_synchronising()),
+            )  # fmt: skip
         items = target_items(geometry.num_kv_heads, self.device) if backend.needs_plan else 0
         self.page_table = DevicePageTable(layout.num_slots, -(-layout.history_width // config.page_size))
         self.builder = BatchBuilder(

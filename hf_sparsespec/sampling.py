@@ -143,10 +143,15 @@ class LogitsPipeline:
     @property
     def graph_safe(self) -> bool:
         """Whether the whole pipeline runs without host syncs (CUDA-graph capturable)."""
-        return all(
-            kind in ("min_length", "repetition") or (kind == "row" and isinstance(p, GRAPH_SAFE_PROCESSORS))
+        return not self.host_synchronising()
+
+    def host_synchronising(self) -> list[str]:
+        """Class names of the processors that may synchronise with the host (they keep CUDA graphs off)."""
+        return [
+            type(p).__name__
             for p, kind in self.steps
-        )
+            if not (kind in ("min_length", "repetition") or (kind == "row" and isinstance(p, GRAPH_SAFE_PROCESSORS)))
+        ]
 
     def request_params(self, request) -> tuple[int, ...]:
         """Per-request integers of the vectorised processors: the history length below which a

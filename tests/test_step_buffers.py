@@ -233,7 +233,9 @@ def test_single_pipeline_equals_per_row_processors(ignore):
         lp.TopKLogitsWarper(20),
     ]
     pipeline = LogitsPipeline(processors)
-    assert pipeline.graph_safe and pipeline.num_params == 3
+    assert pipeline.graph_safe and pipeline.num_params == 3 and pipeline.host_synchronising() == []
+    ngram = LogitsPipeline([*processors, lp.NoRepeatNGramLogitsProcessor(3)])  # host-side n-gram lookups
+    assert not ngram.graph_safe and ngram.host_synchronising() == ["NoRepeatNGramLogitsProcessor"]
     requests = [Request(i, list(range(1, n + 1)), 30, padding=[0] * pad, batch_row=i) for i, (pad, n) in enumerate(prompts)]
     params = [pipeline.request_params(r) for r in requests]
     token_buffer = torch.randint(0, VOCAB, (4, 40))
