@@ -113,8 +113,9 @@ class Engine:
             request.processor_params = pipeline.request_params(request)
             self.scheduler.add(request)
         group = geometry.num_q_heads // geometry.num_kv_heads
-        use_graphs = config.cuda_graphs and self.device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
-        if config.cuda_graphs and self.device.type == "cuda" and backend.needs_plan and not pipeline.graph_safe:
+        graphs_possible = config.cuda_graphs and self.device.type == "cuda" and backend.needs_plan
+        use_graphs = graphs_possible and pipeline.graph_safe
+        if graphs_possible and not pipeline.graph_safe:
             logger.warning(
                 "hf_sparsespec: the logits processors %s may synchronise with the host, so every iteration runs "
                 "eagerly without CUDA graphs (several times slower on a GPU)", ", ".join(pipeline.host_synchronising()),
