@@ -13,11 +13,14 @@ token, the KV-bound regime of models with more KV heads.
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
 (`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `induction_diagonal`, `streaming`, `dense`, `ar_compiled` /
 `pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first),
-`adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), and the ablation ladder of the paper:
+`adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), any of
+our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
+finish with plain one-token steps), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
-Per run: tokens/s, ratio to HF static and to our AR mode, mean accepted drafts per cycle, wall ms
+Per run: tokens/s, ratio to HF static and to our AR mode, mean accepted drafts per cycle that drafted
+(plain one-token steps apart; `plain_steps` counts them), wall ms
 per iteration next to device ms per iteration (CUDA events around each iteration's upload, step and
 result copy), and the ideal iteration time: the larger of (weights + KV each iteration must read) /
 4.26 TB/s and its FLOPs / 790 TFLOP/s, from the iteration's real rows; the seconds until the first
@@ -91,6 +94,13 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
 }
 
 
+def run_fields(run: str, args) -> dict:
+    """SparseSpecConfig fields of a run name: SELECTIONS, and `<run>_tail` adds `plain_tail_rows`."""
+    if run.endswith("_tail"):
+        return SELECTIONS[run.removesuffix("_tail")] | dict(plain_tail_rows=args.plain_tail_rows)
+    return SELECTIONS[run]
+
+
 class StopAfter(StoppingCriteria):
     """Stops every row after `steps` calls: warms HF's compiled static path on the real shapes."""
 
@@ -155,7 +165,7 @@ def recording_triton_compiles(iteration):
 
     def after(*args, **kwargs):
         seconds = time.perf_counter() - started.pop(id(kwargs.get("key")), time.perf_counter())
-        log.append((iteration(), round(seconds, 3), str(kwargs.get("repr", "?"))[:400]))
+        log.append((iteration(), round(seconds, 3), str(kwargs.get("repr", "?"))[:4000]))
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
     try:
@@ -224,7 +234,8 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
         "wall_ms_per_iter": 1000 * seconds / iterations, "gpu_ms_per_iter": float(np.mean(gpu_ms)),
         "gpu_ms_per_iter_decode": float(np.mean(gpu_ms[decode])), "ideal_ms_per_iter": 1000 * float(np.mean(ideal.seconds)),
         "ideal_kv_gb_per_iter": float(np.mean(ideal.kv_bytes)) / 1e9, "weight_gb": ideal.weight_bytes / 1e9,
-        "mean_accepted": stats.total.mean_accepted_per_cycle, "histogram": stats.total.accepted_histogram,
+        "mean_accepted": stats.total.mean_accepted_per_drafting_cycle, "plain_steps": stats.total.plain_steps,
+        "mean_accepted_all_cycles": stats.total.mean_accepted_per_cycle, "histogram": stats.total.accepted_histogram,
         "graph_replays": counters.graph_replays, "eager_iterations": counters.eager_iterations,
         "graphs_captured": counters.graphs_captured, "capture_seconds": counters.capture_seconds,
         "kv": engine.kv.stats.as_dict(), "copy_slowdown": copy_slowdown(gpu_ms, engine.kv.copy_iterations),
@@ -324,6 +335,8 @@ def main() -> None:
                         help="mmath: AIME/MATH reasoning; mixed: mmath and HumanEval alternating (a real model)")
     parser.add_argument("--runs", default="hf_static,ar,pillar,streaming")
     parser.add_argument("--min-budget", type=int, default=128)
+    parser.add_argument("--plain-tail-rows", type=int, default=64,
+                        help="plain_tail_rows of the runs named <run>_tail (e.g. pillar_tail)")
     parser.add_argument("--temperature", type=float, default=0.65)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -383,7 +396,7 @@ def main() -> None:
             result = run_hf_static(model, prompts, args.batch, pad or 0, args.device, settings, n)
         else:
             config = SparseSpecConfig(min_budget=args.min_budget, kv_policy=policy, max_num_requests=args.batch,
-                                      **SELECTIONS[run])  # fmt: skip
+                                      **run_fields(run, args))  # fmt: skip
             if args.num_pages is not None:
                 pages = args.num_pages
                 pages = "1/3" if pages == "third" else pages
@@ -406,7 +419,7 @@ def main() -> None:
         report["runs"][label] = result
         print(f"{label}: {result['tokens_per_s']:.0f} tok/s, {result['wall_ms_per_iter']:.2f} ms/iter", flush=True)
         for iteration, compile_seconds, kernel in result.get("triton_compiles", [])[:8]:
-            print(f"  Triton compiled at iteration {iteration} ({compile_seconds:.2f} s): {kernel}", flush=True)
+            print(f"  Triton compiled at iteration {iteration} ({compile_seconds:.2f} s): {kernel[:160]}", flush=True)
         suffix = f"_{args.requests}requests" if args.requests != args.batch else ""
         (args.out / f"e2e_throughput_{args.batch}x{n}{suffix}.json").write_text(json.dumps(report, indent=1))
         if args.device == "cuda":  # the run's engine (a cycle through the `run` wrapper) and its pool go

@@ -49,6 +49,15 @@ class SparseSpecConfig:
             Verification is unchanged (lossless), and the choice depends on the request alone, so its
             output still does not depend on the batch. Off by default until measured on a GPU
             (docs/measurements.md 5).
+        plain_tail_rows: once at most this many requests are left (decoding or waiting), each of them
+            finishes with plain one-token steps (cycles of 0 drafts, as with `num_draft_tokens=0`).
+            A batch that small is bound by its kernel launches: an iteration costs about the same
+            whatever it drafts (~5 ms at 1-8 rows of Qwen2.5-1.5B on the H200, docs/measurements.md
+            11), so there a request advances one token per iteration instead of (accepted + 1) /
+            (m + 1), and the requests that accept least (the last to finish) gain most. Lossless
+            (greedy stays exact, sampling keeps the model's distribution), but the switch depends on
+            the batch, so a sampled output then depends on when its batch shrank, not on the request
+            alone. 0 (the default): never.
         min_draft_tokens: the fewest drafts an adaptive cycle drafts (1 <= min <= k); also the
             floor that keeps a speculative first draft (delayed verification) inside its cycle.
         budget_ratio: fraction of the context each draft step reads, besides the recent window.
@@ -115,6 +124,7 @@ class SparseSpecConfig:
     num_draft_tokens: int = 8
     adaptive_draft_tokens: bool = False
     min_draft_tokens: int = 2
+    plain_tail_rows: int = 0
     budget_ratio: float = 0.05
     min_budget: int = 128
     scheduler: Literal["unified", "naive"] = "unified"
@@ -146,6 +156,7 @@ class SparseSpecConfig:
             _check_int("min_draft_tokens", self.min_draft_tokens, 1, self.num_draft_tokens)
         else:
             _check_int("min_draft_tokens", self.min_draft_tokens, 1)
+        _check_int("plain_tail_rows", self.plain_tail_rows, 0)
         if not isinstance(self.budget_ratio, (int, float)) or isinstance(self.budget_ratio, bool):
             raise ValueError(f"SparseSpecConfig.budget_ratio must be a float, got {self.budget_ratio!r}")
         if not (0.0 < self.budget_ratio <= 1.0) or math.isnan(self.budget_ratio):

@@ -243,7 +243,7 @@ class Engine:
             self._emit(request, committed[:kept])
             if reason is not None:
                 self._finish(request, reason)
-            elif not self.scheduler.autoregressive:  # autoregressive rows committed when scheduled
+            elif not row.committed:  # plain steps committed their token when scheduled
                 self.scheduler.commit_verification(request, kept)
                 self.scheduler.start_cycle(request, self.scheduler.iteration)
 

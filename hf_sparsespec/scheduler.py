@@ -39,9 +39,12 @@ KV pages (`kv_manager.KVManager`): before the rows of an iteration are built, th
 the pages they need free, offloading whole requests to the host if it must; an offloaded request
 keeps its phase and gets no rows until it is restored. Admission asks the KV manager too.
 
-Autoregressive mode (k = 0): every iteration is a "verification" of zero drafts, which always
-commits exactly one token; so the request commits it at scheduling time (its value stays on the
-device) and runs again in the next iteration, without waiting for the host to read the result.
+Plain steps: a cycle of 0 drafts is a "verification" of zero drafts, which always commits exactly
+one token; so the request commits it at scheduling time (its value stays on the device) and runs
+again in the next iteration, without waiting for the host to read the result. Every cycle is one in
+autoregressive mode (k = 0); a cycle with one token to go is one; and with `plain_tail_rows`, once at
+most that many requests are left (decoding or waiting), every remaining request's cycles are (the
+tail, where an iteration is bound by its launches and drafting only slows a request down).
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class Request:
     verify_result_index: int = -1  # the in-flight verification's row among its iteration's verify rows
     verify_iteration: int = -1  # iteration of the next (or last) verification, for bucket accounting
     start_iteration: int = 0  # the request runs no row before this iteration (it waits for its bucket)
+    plain: bool = False  # in the tail (`plain_tail_rows`): every cycle from now on is a plain step
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
 
@@ -150,6 +154,7 @@ class ScheduledRow:
     budget: int = 0  # VERIFY: keys the selection keeps for the next cycle
     speculative: bool = False  # DRAFT right after a verification with an unread result
     max_shift: int = 0  # speculative DRAFT: the most positions the device may shift it by (drafts verified)
+    committed: bool = False  # VERIFY of 0 drafts (a plain step): its one token was committed when scheduled
 
     @property
     def context_len(self) -> int:
@@ -273,8 +278,9 @@ class Scheduler:
         first = request.num_committed - 1
         row = ScheduledRow(request, RowKind.VERIFY, first, request.cycle_drafts + 1, samples=True)
         self.allocator.ensure(request.request_id, row.context_len)
-        if self.autoregressive:  # one token, committed now; the next iteration feeds it from the device
+        if request.cycle_drafts == 0:  # a plain step: one token, committed now; the next row reads it on the device
             request.num_committed += 1
+            row.committed = True
             if request.num_committed >= request.max_total_len:
                 request.phase = Phase.AWAIT  # the last token: wait for the host to read and finish it
             return row
@@ -306,19 +312,27 @@ class Scheduler:
         token to go) the speculative draft is dropped and the cycle verifies at once."""
         if first:
             request.draft_target = self.k
+        if not request.plain and self._in_tail():
+            request.plain = True
         remaining = request.max_total_len - request.num_committed
-        drafts = max(min(request.draft_target, remaining - 1), 0)
+        drafts = max(min(0 if request.plain else request.draft_target, remaining - 1), 0)
         drafts_done = 0
         if request.speculated_iteration >= 0 and drafts > 0:
             first_draft_iteration, drafts_done = request.speculated_iteration, 1
         request.speculated_iteration = -1
-        if first:
+        if first and drafts:
             first_draft_iteration = self._join(first_draft_iteration, drafts, balance=True)
         request.start_iteration = first_draft_iteration
         request.cycle_drafts = drafts
         request.drafts_done = drafts_done
         request.phase = Phase.DRAFT if drafts > drafts_done else Phase.VERIFY
-        self._set_verify_iteration(request, first_draft_iteration + drafts)
+        # plain steps never verify drafts: they stay out of the phase buckets
+        self._set_verify_iteration(request, first_draft_iteration + drafts if drafts else -1)
+
+    def _in_tail(self) -> bool:
+        """Whether at most `plain_tail_rows` requests are left (decoding or waiting)."""
+        tail = self.config.plain_tail_rows
+        return tail > 0 and len(self.active) + len(self.waiting) <= tail
 
     def _join(self, earliest: int, to_verify: int, balance: bool) -> int:
         """The iteration (at most a cycle after `earliest`) to start from so that the verification
@@ -388,7 +402,7 @@ class Scheduler:
 
     def settled(self, request: Request) -> bool:
         """Whether no unread result can still roll the request's pages back (a verification in flight)."""
-        return self.autoregressive or request.phase not in (Phase.VERIFYING, Phase.AWAIT)
+        return self.autoregressive or request.plain or request.phase not in (Phase.VERIFYING, Phase.AWAIT)
 
     def park(self, request: Request) -> None:
         """An offloaded request leaves the phase buckets while it is away."""
@@ -398,7 +412,7 @@ class Scheduler:
     def resume(self, request: Request) -> None:
         """A restored request rejoins with its cycle unchanged, from the iteration (at most a cycle
         away) that puts its next verification in the least-loaded phase bucket."""
-        if self.autoregressive or request.phase not in (Phase.DRAFT, Phase.VERIFY):
+        if self.autoregressive or request.plain or request.phase not in (Phase.DRAFT, Phase.VERIFY):
             request.start_iteration = self.iteration
             return
         to_verify = request.cycle_drafts - request.drafts_done

@@ -29,15 +29,17 @@ class RequestStats:
     accepted_histogram: list[int] = field(default_factory=list)  # index a: cycles that accepted a drafts
     cycle_accepted: list[int] = field(default_factory=list)  # accepted drafts of each cycle, in order (per request)
     cycle_drafted: list[int] = field(default_factory=list)  # drafts of each cycle, m, in order (per request)
+    plain_steps: int = 0  # cycles of 0 drafts (plain one-token steps: autoregressive mode, the tail, the last token)
 
     def reset(self) -> None:
-        self.cycles = self.drafted_tokens = self.accepted_drafts = self.generated_tokens = 0
+        self.cycles = self.drafted_tokens = self.accepted_drafts = self.generated_tokens = self.plain_steps = 0
         self.accepted_histogram = []
         self.cycle_accepted = []
         self.cycle_drafted = []
 
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
+        self.plain_steps += int(drafted == 0)
         self.drafted_tokens += drafted
         self.accepted_drafts += accepted
         if len(self.accepted_histogram) <= accepted:
@@ -50,6 +52,12 @@ class RequestStats:
     def mean_accepted_per_cycle(self) -> float:
         """Mean accepted drafts per cycle (0..k; the recovered/bonus token is not counted)."""
         return self.accepted_drafts / self.cycles if self.cycles else 0.0
+
+    @property
+    def mean_accepted_per_drafting_cycle(self) -> float:
+        """Mean accepted drafts per cycle that drafted (plain steps left out)."""
+        drafting = self.cycles - self.plain_steps
+        return self.accepted_drafts / drafting if drafting else 0.0
 
     @property
     def mean_drafted_per_cycle(self) -> float:
@@ -65,6 +73,7 @@ class RequestStats:
         """Add `other`'s counts (its cycle order, `cycle_accepted` and `cycle_drafted`, is not
         merged)."""
         self.cycles += other.cycles
+        self.plain_steps += other.plain_steps
         self.drafted_tokens += other.drafted_tokens
         self.accepted_drafts += other.accepted_drafts
         self.generated_tokens += other.generated_tokens
@@ -86,6 +95,8 @@ class RequestStats:
             "accepted_drafts": self.accepted_drafts,
             "generated_tokens": self.generated_tokens,
             "mean_accepted_per_cycle": self.mean_accepted_per_cycle,
+            "plain_steps": self.plain_steps,
+            "mean_accepted_per_drafting_cycle": self.mean_accepted_per_drafting_cycle,
             "mean_drafted_per_cycle": self.mean_drafted_per_cycle,
             "acceptance_rate": self.acceptance_rate,
             "accepted_histogram": list(self.accepted_histogram),

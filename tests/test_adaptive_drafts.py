@@ -63,10 +63,11 @@ def check_buckets(scheduler: Scheduler) -> None:
     scheduled = [r for r in scheduler.active if r.verify_iteration >= 0]
     assert +residues == Counter(r.verify_iteration % scheduler.cycle_length for r in scheduled)
     assert sum(residues.values()) == len(scheduled)
-    for request in scheduler.active:  # a request in a cycle has its verification in the buckets, a prefill none
-        if request.phase in (Phase.DRAFT, Phase.VERIFY, Phase.VERIFYING):
+    for request in scheduler.active:  # a request in a drafting cycle has its verification in the buckets; a
+        # prefill or a plain step (a cycle of 0 drafts: the last token here) none
+        if request.phase in (Phase.DRAFT, Phase.VERIFY, Phase.VERIFYING) and request.cycle_drafts:
             assert request.verify_iteration >= 0
-        elif request.phase is Phase.PREFILL:
+        elif request.phase is Phase.PREFILL or request.phase is Phase.VERIFY:
             assert request.verify_iteration < 0
 
 
@@ -89,6 +90,11 @@ def simulate(config: SparseSpecConfig, specs: dict[int, tuple[int, int]], num_sl
                 request.generated.append(0)
                 if request.max_new_tokens <= 1:
                     scheduler.finish(request, "length")
+            elif row.kind is RowKind.VERIFY and row.committed:  # a plain step: its token committed when scheduled
+                assert row.num_tokens == 1 and request.num_committed == request.max_total_len  # the last token
+                lengths[request.request_id].append(0)
+                request.generated.append(0)
+                scheduler.finish(request, "length")
             elif row.kind is RowKind.VERIFY:
                 drafted = row.num_tokens - 1
                 remaining = request.max_total_len - request.num_committed  # num_committed: as at the verification
