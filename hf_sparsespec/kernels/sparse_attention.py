@@ -231,6 +231,9 @@ def check_draft_rows(
     check_tensor("num_selected", num_selected, dtypes=INDEX, device=device, shape=(num_rows,))
 
 
+SEARCH_STEPS_FLOOR = 16  # binary-search steps over a selection of up to 65,535 keys (a 1.3M-token context at 5 %)
+
+
 def moved_key_args(offsets: torch.Tensor | None, selected: torch.Tensor, num_kv_heads: int) -> dict:
     """The draft kernels' moved-key arguments: `offsets [num_slots, num_kv_heads, num_moved]` int32
     (checked) or None (no moved keys)."""
@@ -241,9 +244,12 @@ def moved_key_args(offsets: torch.Tensor | None, selected: torch.Tensor, num_kv_
     if offsets.stride(-1) != 1:
         raise ValueError(f"offsets: expected a unit-stride last dimension, got strides {offsets.stride()}")
     num_moved = offsets.shape[2]
+    # the binary search's steps are a constant, not the bit length of this call's selection width: that width
+    # follows max_new_tokens, and every new bit length compiled both draft kernels again (~5 s each on the
+    # H200, in the middle of a timed run: docs/measurements.md 11); steps past lo == hi change nothing
+    search_steps = max(SEARCH_STEPS_FLOOR, selected.shape[2].bit_length())
     return dict(ptr=offsets, stride_slot=offsets.stride(0), stride_head=offsets.stride(1), num_moved=num_moved,
-                MOVED=num_moved > 0, MOVED_PAD=triton.next_power_of_2(max(num_moved, 1)),
-                SEARCH_STEPS=max(1, selected.shape[2].bit_length()))  # fmt: skip
+                MOVED=num_moved > 0, MOVED_PAD=triton.next_power_of_2(max(num_moved, 1)), SEARCH_STEPS=search_steps)
 
 
 def sparse_draft_attention(

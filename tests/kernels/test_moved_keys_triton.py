@@ -303,3 +303,18 @@ def test_mixed_attention_with_moved_keys_matches_reference(device, dtype):
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-3 if tol == torch.float32 else 1e-2,
                                    atol=1e-3 if tol == torch.float32 else 1e-2)  # fmt: skip
         assert torch.equal(lse.isinf(), ref_lse.isinf())
+
+
+def test_the_draft_kernels_compile_once_whatever_the_selection_width():
+    """The selection store's width follows max_new_tokens (the budget of the longest context); the moved-key
+    search's step count, a compile-time constant, must not, or each `generate` with another length
+    compiled both draft kernels again in the middle of decoding."""
+    from hf_sparsespec.kernels.sparse_attention import moved_key_args
+
+    offsets = torch.zeros(3, 2, 70, dtype=torch.int32)
+    constants = {
+        width: {key: value for key, value in moved_key_args(offsets, torch.zeros(3, 2, width, dtype=torch.int32), 2).items()
+                if key.isupper()}
+        for width in (1, 16, 128, 432, 4096, 65535)
+    }  # fmt: skip
+    assert len({tuple(sorted(c.items())) for c in constants.values()}) == 1, constants
