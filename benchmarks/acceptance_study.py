@@ -226,6 +226,15 @@ def main() -> None:
             records.append(r)
         print(f"text {index}: {len(tokens)} tokens, anchors {starts}, {time.perf_counter() - text_start:.0f} s",
               flush=True)  # fmt: skip
+        # written after every text, so that a run cut short (a device call's time limit) keeps what it measured
+        rows, info = write_results(args, records, texts[: index + 1], policies, start, text_seconds)
+    plot(rows, args.out / "acceptance.png", args.k)
+    print(json.dumps({k: v for k, v in info.items() if k != "policies"}))
+    print(table(rows, args.k))
+
+
+def write_results(args, records, texts, policies, start, text_seconds) -> tuple[list, dict]:
+    """Summary rows and run info of the texts done so far, written to --out (results.json, cycles.json.gz)."""
     rows = summarize(records, args.k, [int(b) for b in args.bins.split(",")])
     dense = [r for r in records if r["policy"] == "dense"]
     info = {
@@ -245,9 +254,7 @@ def main() -> None:
     rounded = [[round(r[c], 3) if isinstance(r[c], float) else r[c] for c in columns] for r in records]
     with gzip.open(args.out / "cycles.json.gz", "wt") as f:
         json.dump({"columns": columns, "rows": rounded}, f, separators=(",", ":"))
-    plot(rows, args.out / "acceptance.png", args.k)
-    print(json.dumps({k: v for k, v in info.items() if k != "policies"}))
-    print(table(rows, args.k))
+    return rows, info
 
 
 if __name__ == "__main__":
