@@ -52,9 +52,10 @@ class SparseSpecConfig:
         plain_tail_rows: once at most this many requests are left (decoding or waiting), each of them
             finishes with plain one-token steps (cycles of 0 drafts, as with `num_draft_tokens=0`).
             A batch that small is bound by its kernel launches: an iteration costs about the same
-            whatever it drafts (~5 ms at 1-8 rows of Qwen2.5-1.5B on the H200, docs/measurements.md
-            11), so there a request advances one token per iteration instead of (accepted + 1) /
-            (m + 1), and the requests that accept least (the last to finish) gain most. Lossless
+            whatever it drafts (~5 ms at 1-8 rows of Qwen2.5-1.5B on the H200), so there a request
+            advances one token per iteration instead of (accepted + 1) / (m + 1), and the requests
+            that accept least (the last to finish) gain most: PillarAttn 1.09x the tokens/s at 256 x
+            2048 with 64 (docs/measurements.md 11), `"induction_diagonal"` unchanged. Lossless
             (greedy stays exact, sampling keeps the model's distribution), but the switch depends on
             the batch, so a sampled output then depends on when its batch shrank, not on the request
             alone. 0 (the default): never.
@@ -76,14 +77,16 @@ class SparseSpecConfig:
             `num_induction_keys` older occurrences of the token the draft reads: where induction heads
             look, found from the token ids alone, refreshed at every step), `"induction_diagonal"`
             (both: PillarAttn's keys, the diagonal's moved keys and the induction keys; the best
-            acceptance measured, 7.35 of 8 teacher-forced on Qwen2.5-Coder-1.5B at 1.14x PillarAttn's
-            draft bytes, docs/measurements.md 5), `"streaming"` (first `num_sink_tokens` keys plus the
+            acceptance measured: teacher-forced on Qwen2.5-Coder-1.5B at ~4K contexts, 960 cycles,
+            7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes; through the engine at 256 x
+            8192 on the H200, 7.78 against 6.02 and 1.30x its tokens/s, docs/measurements.md 11),
+            `"streaming"` (first `num_sink_tokens` keys plus the
             most recent ones), or `"dense"` (draft with full attention; accepts everything under
             greedy, a sanity check). Verification is the same for all: only acceptance changes.
         num_sink_tokens: sink tokens of the streaming selection.
         num_induction_keys: keys the induction selections add per draft step (per layer and KV head);
-            16 by default (Qwen2.5-Coder-1.5B teacher-forced: 8 keys 7.14, 16 keys 7.29, 32 and 64
-            keys 7.28 accepted of 8).
+            16 by default (Qwen2.5-Coder-1.5B teacher-forced, 960 cycles, with the diagonal: 16 keys
+            7.17, 32 keys 7.21, 64 keys 7.22 accepted of 8, docs/measurements.md 11).
         delayed_verification: the host reads an iteration's results only after launching the next
             one, so it never waits on the device while work is queued. A request that just verified
             drafts its next cycle's first token meanwhile, speculatively: its position depends on
