@@ -11,6 +11,7 @@ from test_kv_manager import config as pressured_config
 from test_sampling_distribution import SAMPLES, assert_same_distribution, sample_both
 
 from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec.cache.page_allocator import PageAllocator
 from hf_sparsespec.scheduler import Request, RowKind, Scheduler
 
 
@@ -69,8 +70,6 @@ def test_without_the_tail_option_requests_keep_drafting():
 def test_plain_steps_commit_when_scheduled():
     """In the tail a request runs a one-token verification every iteration, without waiting for its result."""
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, plain_tail_rows=1)
-    from hf_sparsespec.cache.page_allocator import PageAllocator
-
     scheduler = Scheduler(config, PageAllocator(64, 4), num_slots=2)
     request = Request(request_id=0, prompt=[1, 2, 3], max_new_tokens=5)
     scheduler.add(request)
