@@ -49,16 +49,6 @@ class SparseSpecConfig:
             Verification is unchanged (lossless), and the choice depends on the request alone, so its
             output still does not depend on the batch. Off by default until measured on a GPU
             (docs/measurements.md 5).
-        plain_tail_rows: once at most this many requests are left (decoding or waiting), each of them
-            finishes with plain one-token steps (cycles of 0 drafts, as with `num_draft_tokens=0`).
-            A batch that small is bound by its kernel launches: an iteration costs about the same
-            whatever it drafts (~5 ms at 1-8 rows of Qwen2.5-1.5B on the H200), so there a request
-            advances one token per iteration instead of (accepted + 1) / (m + 1), and the requests
-            that accept least (the last to finish) gain most: PillarAttn 1.09x the tokens/s at 256 x
-            2048 with 64 (docs/measurements.md 11), `"induction_diagonal"` unchanged. Lossless
-            (greedy stays exact, sampling keeps the model's distribution), but the switch depends on
-            the batch, so a sampled output then depends on when its batch shrank, not on the request
-            alone. 0 (the default): never.
         min_draft_tokens: the fewest drafts an adaptive cycle drafts (1 <= min <= k); also the
             floor that keeps a speculative first draft (delayed verification) inside its cycle.
         budget_ratio: fraction of the context each draft step reads, besides the recent window.
@@ -122,12 +112,21 @@ class SparseSpecConfig:
             single row of a kind run eagerly so that nothing recompiles mid-run). Off by default for
             that start-up: on the H200 it cut a 256-row iteration at 4K contexts from 10.45 to 8.77 ms
             (SparseSpec) and 12.94 to 11.60 ms (AR), with graphs (docs/measurements.md §8).
+        plain_tail_rows: once at most this many requests are left (decoding or waiting), each of them
+            finishes with plain one-token steps (cycles of 0 drafts, as with `num_draft_tokens=0`).
+            A batch that small is bound by its kernel launches: an iteration costs about the same
+            whatever it drafts (~5 ms at 1-8 rows of Qwen2.5-1.5B on the H200), so there a request
+            advances one token per iteration instead of (accepted + 1) / (m + 1), and the requests
+            that accept least (the last to finish) gain most: PillarAttn 1.09x the tokens/s at 256 x
+            2048 with 64 (docs/measurements.md 11), `"induction_diagonal"` unchanged. Lossless
+            (greedy stays exact, sampling keeps the model's distribution), but the switch depends on
+            the batch, so a sampled output then depends on when its batch shrank, not on the request
+            alone. 0 (the default): never.
     """
 
     num_draft_tokens: int = 8
     adaptive_draft_tokens: bool = False
     min_draft_tokens: int = 2
-    plain_tail_rows: int = 0
     budget_ratio: float = 0.05
     min_budget: int = 128
     scheduler: Literal["unified", "naive"] = "unified"
@@ -146,6 +145,7 @@ class SparseSpecConfig:
     backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
     compile_forward: bool = False
+    plain_tail_rows: int = 0  # last, so that positional arguments keep their meaning
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
