@@ -119,7 +119,6 @@ class Request:
     verify_result_index: int = -1  # the in-flight verification's row among its iteration's verify rows
     verify_iteration: int = -1  # iteration of the next (or last) verification, for bucket accounting
     start_iteration: int = 0  # the request runs no row before this iteration (it waits for its bucket)
-    plain: bool = False  # in the tail (`plain_tail_rows`): every cycle from now on is a plain step
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
 
@@ -312,10 +311,9 @@ class Scheduler:
         token to go) the speculative draft is dropped and the cycle verifies at once."""
         if first:
             request.draft_target = self.k
-        if not request.plain and self._in_tail():
-            request.plain = True
         remaining = request.max_total_len - request.num_committed
-        drafts = max(min(0 if request.plain else request.draft_target, remaining - 1), 0)
+        # the tail only grows (requests leave, none join): once in it, every later cycle is a plain step
+        drafts = max(min(0 if self._in_tail() else request.draft_target, remaining - 1), 0)
         drafts_done = 0
         if request.speculated_iteration >= 0 and drafts > 0:
             first_draft_iteration, drafts_done = request.speculated_iteration, 1
@@ -402,7 +400,7 @@ class Scheduler:
 
     def settled(self, request: Request) -> bool:
         """Whether no unread result can still roll the request's pages back (a verification in flight)."""
-        return self.autoregressive or request.plain or request.phase not in (Phase.VERIFYING, Phase.AWAIT)
+        return request.cycle_drafts == 0 or request.phase not in (Phase.VERIFYING, Phase.AWAIT)
 
     def park(self, request: Request) -> None:
         """An offloaded request leaves the phase buckets while it is away."""
@@ -412,7 +410,7 @@ class Scheduler:
     def resume(self, request: Request) -> None:
         """A restored request rejoins with its cycle unchanged, from the iteration (at most a cycle
         away) that puts its next verification in the least-loaded phase bucket."""
-        if self.autoregressive or request.plain or request.phase not in (Phase.DRAFT, Phase.VERIFY):
+        if request.cycle_drafts == 0 or request.phase not in (Phase.DRAFT, Phase.VERIFY):  # plain steps: at once
             request.start_iteration = self.iteration
             return
         to_verify = request.cycle_drafts - request.drafts_done

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from models import assert_greedy_equal, ragged_batch, tiny_model
+from test_greedy_exactness import sparsespec as greedy
 from test_kv_manager import NEW_TOKENS, POOL, run
 from test_kv_manager import config as pressured_config
 from test_sampling_distribution import SAMPLES, assert_same_distribution, sample_both
@@ -25,11 +26,6 @@ def trailing_plain_steps(stats) -> int:
     return count
 
 
-def greedy(model, ids, mask, config, new_tokens=40):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                          generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True)  # fmt: skip
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "sync"])
 def test_the_tail_decodes_plainly_and_exactly(arch, delayed):
@@ -38,7 +34,7 @@ def test_the_tail_decodes_plainly_and_exactly(arch, delayed):
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, plain_tail_rows=3,
                               delayed_verification=delayed)  # fmt: skip
-    out = greedy(model, ids, mask, config)
+    out = greedy(model, ids, mask, 40, config)
     assert_greedy_equal(model, expected, out.sequences, mask)
     per_request = out.sparsespec_stats.per_request
     assert all(stats.generated_tokens == 40 for stats in per_request)
@@ -54,7 +50,7 @@ def test_a_batch_smaller_than_the_tail_never_drafts():
     model = tiny_model("qwen3")
     ids, mask = ragged_batch([5, 12])
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
-    out = greedy(model, ids, mask, SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=4, plain_tail_rows=2), 30)
+    out = greedy(model, ids, mask, 30, SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=4, plain_tail_rows=2))
     assert_greedy_equal(model, expected, out.sequences, mask)
     total = out.sparsespec_stats.total
     assert total.drafted_tokens == 0 and total.plain_steps == total.cycles == 2 * 29
@@ -63,7 +59,7 @@ def test_a_batch_smaller_than_the_tail_never_drafts():
 def test_without_the_tail_option_requests_keep_drafting():
     model = tiny_model("llama")
     ids, mask = ragged_batch([9, 3, 14, 6, 11, 5])
-    out = greedy(model, ids, mask, SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4))
+    out = greedy(model, ids, mask, 40, SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4))
     assert all(trailing_plain_steps(stats) <= 1 for stats in out.sparsespec_stats.per_request)
 
 
