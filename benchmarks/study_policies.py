@@ -50,6 +50,9 @@ def quest_bound(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tenso
     return torch.maximum(q * key_min[None, :, None], q * key_max[None, :, None]).sum(-1).amax(dim=2)
 
 
+POOLS = ("mean", "max", "headmax", "late")  # how PillarAttn's score pools a block's attention (VerifyView)
+
+
 @dataclass
 class VerifyView:
     """One layer of a verification pass, for the rows of one policy."""
@@ -59,9 +62,20 @@ class VerifyView:
     budget: torch.Tensor  # [r] long, B of the next cycle (engine rule, clamped to block_start)
 
     def pillar_scores(self, pool: str = "mean") -> torch.Tensor:
-        """PillarAttn's score `[r, kvh, N]`: mean (or `pool="max"`) over the block's queries and the GQA
-        group; -inf if not old."""
-        scores = self.probs.mean(dim=(2, 3)) if pool == "mean" else self.probs.amax(dim=(2, 3))
+        """PillarAttn's score `[r, kvh, N]` from the block's queries and the GQA group's heads; -inf if
+        not old. `pool`: `"mean"` over both (PillarAttn), `"max"` over both, `"headmax"` the mean over
+        the queries then the max over the heads (a key one head needs is not diluted by the others),
+        `"late"` a mean weighting query i of the block by i + 1 (the latest queries are the nearest
+        to the next cycle's drafts)."""
+        if pool == "mean":
+            scores = self.probs.mean(dim=(2, 3))
+        elif pool == "max":
+            scores = self.probs.amax(dim=(2, 3))
+        elif pool == "headmax":
+            scores = self.probs.mean(dim=3).amax(dim=2)
+        else:
+            weight = torch.arange(1, self.probs.shape[3] + 1, device=self.probs.device, dtype=self.probs.dtype)
+            scores = (self.probs * (weight / weight.sum())[:, None]).sum(dim=3).mean(dim=2)
         old = torch.arange(scores.shape[-1], device=scores.device)[None, :] < self.block_start[:, None]
         return scores.masked_fill(~old[:, None, :], float("-inf"))
 
@@ -99,8 +113,8 @@ class Policy:
 
     def __init__(self, name: str, min_budget: int, budget_ratio: float = 0.05, budget_scale: float = 1.0,
                  pool: str = "mean"):  # fmt: skip
-        if pool not in ("mean", "max"):
-            raise ValueError(f"pool: expected 'mean' or 'max', got {pool!r}")
+        if pool not in POOLS:
+            raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
         self.name, self.min_budget, self.budget_ratio, self.budget_scale = name, min_budget, budget_ratio, budget_scale
         self.pool = pool
         self.rows = slice(0, 0)

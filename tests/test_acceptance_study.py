@@ -20,7 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from acceptance_study import summarize  # noqa: E402
 from study_harness import Study  # noqa: E402
-from study_policies import DraftView, induction_keys, make_policy, moved_keys, quest_bound, top_mask  # noqa: E402
+from study_policies import (  # noqa: E402
+    DraftView,
+    VerifyView,
+    induction_keys,
+    make_policy,
+    moved_keys,
+    quest_bound,
+    top_mask,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_sparsespec import SparseSpecConfig  # noqa: E402
@@ -124,6 +132,28 @@ def test_policy_specs():
     assert budget.tolist() == [10, 128, 502]
     with pytest.raises(ValueError, match="expected one of"):
         make_policy("nope", 64)
+
+
+def test_pillar_score_pools():
+    # one row, one KV head, a group of 2 heads, 2 block queries, 4 keys (key 3 is the block's own)
+    probs = torch.zeros(1, 1, 2, 2, 4)
+    probs[0, 0, 0, 0, 0] = 0.8  # head 0, first query: key 0
+    probs[0, 0, 1, 1, 1] = 0.6  # head 1, last query: key 1
+    probs[0, 0, :, :, 2] = 0.2  # every head and query a little: key 2
+    view = VerifyView(probs=probs, block_start=torch.tensor([3]), budget=torch.tensor([1]))
+    expected = {
+        "mean": [0.2, 0.15, 0.2],
+        "max": [0.8, 0.6, 0.2],
+        "headmax": [0.4, 0.3, 0.2],
+        "late": [0.8 / 3 / 2, 0.6 * 2 / 3 / 2, 0.2],
+    }
+    for pool, scores in expected.items():
+        got = view.pillar_scores(pool)[0, 0]
+        assert torch.allclose(got[:3], torch.tensor(scores)), pool
+        assert got[3] == float("-inf")  # not old
+    assert make_policy("pillar:pool=headmax", 64).pool == "headmax"
+    with pytest.raises(ValueError, match="pool: expected one of"):
+        make_policy("pillar:pool=median", 64)
 
 
 def test_moved_keys_follow_the_diagonal():
