@@ -432,7 +432,9 @@ POLICIES = {
 
 def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Policy:
     """`kind[:key=value,...]`, e.g. `pillar`, `pillar:budget_scale=1.3`, `rerank:candidates=2`,
-    `quest:extra=0.25,page_size=16`, `shared:mode=entropy`, `quest:with_pillar=0`."""
+    `quest:extra=0.25,page_size=16`, `shared:mode=entropy`, `quest:with_pillar=0`. `min_budget=` and
+    `budget_ratio=` replace the study's budget rule for this policy (the engine's config fields of
+    the same names), e.g. `induction:top=16,diagonal=1,min_budget=112,budget_ratio=0.045`."""
     kind, _, options = spec.partition(":")
     if kind not in POLICIES:
         raise ValueError(f"policy: expected one of {sorted(POLICIES)}, got {kind!r}")
@@ -441,6 +443,10 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
         key, _, value = item.partition("=")
         if key in ("mode", "pool"):
             kwargs[key] = value
+        elif key == "min_budget":
+            min_budget = int(value)
+        elif key == "budget_ratio":
+            budget_ratio = float(value)
         elif key in ("page_size", "top", "num_sink", "diagonal"):
             kwargs[key] = int(value)
         elif key in ("with_pillar", "per_head"):
@@ -451,4 +457,8 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
     policy = POLICIES[kind](name, min_budget, budget_ratio, **kwargs)
     if not math.isfinite(policy.budget_scale) or policy.budget_scale <= 0:
         raise ValueError(f"budget_scale: expected > 0, got {policy.budget_scale}")
+    if min_budget < 1 or not 0 < budget_ratio <= 1:
+        raise ValueError(
+            f"budget rule: expected min_budget >= 1 and 0 < budget_ratio <= 1, got {min_budget}, {budget_ratio}"
+        )
     return policy

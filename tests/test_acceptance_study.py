@@ -132,6 +132,11 @@ def test_policy_specs():
     assert budget.tolist() == [10, 128, 502]
     with pytest.raises(ValueError, match="expected one of"):
         make_policy("nope", 64)
+    # the budget rule of one policy: max(min_budget, ceil(budget_ratio * (t + k + 1))), clamped to t
+    flat = make_policy("pillar:min_budget=112,budget_ratio=0.045", 64)
+    assert flat.budget(torch.tensor([50, 1000, 5000]), K).tolist() == [50, 112, 226]
+    with pytest.raises(ValueError, match="budget rule"):
+        make_policy("pillar:budget_ratio=0", 64)
 
 
 def test_pillar_score_pools():
