@@ -12,7 +12,8 @@ the model R times (`loading.repeat_kv_heads`): the same function and acceptance 
 token, the KV-bound regime of models with more KV heads.
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
 (`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `induction_diagonal`, `streaming`, `dense`, `ar_compiled` /
-`pillar_compiled` / `diagonal_compiled` / `induction_compiled` (`compile_forward=True`, warmed first),
+`pillar_compiled` / `diagonal_compiled` / `induction_compiled` / `induction_diagonal_compiled`
+(`compile_forward=True`, warmed first),
 `adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), any of
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
 finish with plain one-token steps), and the ablation ladder of the paper:
@@ -82,6 +83,7 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "induction": dict(selection="induction"),
     "induction_compiled": dict(selection="induction", compile_forward=True),
     "induction_diagonal": dict(selection="induction_diagonal"),
+    "induction_diagonal_compiled": dict(selection="induction_diagonal", compile_forward=True),
     "pillar": dict(),
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),
