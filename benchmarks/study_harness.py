@@ -268,7 +268,7 @@ class Study:
         out = []
         for g in groups:
             for episode, row in enumerate(range(g.rows.start, g.rows.stop)):
-                out.append({"policy": g.policy.name, "min_budget": g.policy.min_budget, "episode": episode,
+                out.append({"policy": g.policy.name, "min_budget": g.policy.study_min_budget, "episode": episode,
                             "cycle": cycle, "t": t[row], "recent_start": recent[row], "budget": budget[row],
                             "accepted": acc[row], "bytes_per_step": per_step[row],
                             "old_keys_per_head": old_keys[row]})  # fmt: skip

@@ -116,6 +116,9 @@ class Policy:
         if pool not in POOLS:
             raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
         self.name, self.min_budget, self.budget_ratio, self.budget_scale = name, min_budget, budget_ratio, budget_scale
+        # the study's min_budget (`--min-budgets`) this policy is compared at, against the PillarAttn of that
+        # setting, even when its spec replaces the budget rule (`make_policy`)
+        self.study_min_budget = min_budget
         self.pool = pool
         self.rows = slice(0, 0)
         self.masks: list[torch.Tensor | None] = []
@@ -436,6 +439,7 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
     `budget_ratio=` replace the study's budget rule for this policy (the engine's config fields of
     the same names), e.g. `induction:top=16,diagonal=1,min_budget=112,budget_ratio=0.045`."""
     kind, _, options = spec.partition(":")
+    study_min_budget = min_budget
     if kind not in POLICIES:
         raise ValueError(f"policy: expected one of {sorted(POLICIES)}, got {kind!r}")
     kwargs: dict = {}
@@ -455,6 +459,7 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
             kwargs[key] = float(value)
     name = spec if spec else kind
     policy = POLICIES[kind](name, min_budget, budget_ratio, **kwargs)
+    policy.study_min_budget = study_min_budget
     if not math.isfinite(policy.budget_scale) or policy.budget_scale <= 0:
         raise ValueError(f"budget_scale: expected > 0, got {policy.budget_scale}")
     if min_budget < 1 or not 0 < budget_ratio <= 1:

@@ -107,6 +107,15 @@ class BlindDrafts(Study):
         return super()._draft_attention(layer, query, torch.zeros_like(key), torch.zeros_like(value), scale)
 
 
+def test_a_policy_with_its_own_budget_rule_is_compared_with_the_studys_pillar(model, tokens):
+    _, records = run(model, tokens, ["pillar", "pillar:min_budget=16"], min_budget=8)
+    larger = [r for r in records if r["policy"] == "pillar:min_budget=16"]
+    assert {r["min_budget"] for r in larger} == {8}  # the study's setting, which it is compared at
+    assert all(r["budget"] == min(r["recent_start"], 16) for r in larger)  # ... while it drafts with its own
+    rows = {r["policy"]: r for r in summarize([r | {"text": 0, "local_distinct4": 1.0} for r in records], K, [100])}
+    assert rows["pillar:min_budget=16"]["bytes_vs_pillar"] > 1.0
+
+
 def test_a_broken_harness_fails_the_dense_check(model, tokens):
     _, records = run(model, tokens, ["dense"], min_budget=8, study_class=BlindDrafts)
     assert min(r["accepted"] for r in records) < K
@@ -135,6 +144,7 @@ def test_policy_specs():
     # the budget rule of one policy: max(min_budget, ceil(budget_ratio * (t + k + 1))), clamped to t
     flat = make_policy("pillar:min_budget=112,budget_ratio=0.045", 64)
     assert flat.budget(torch.tensor([50, 1000, 5000]), K).tolist() == [50, 112, 226]
+    assert flat.study_min_budget == 64  # compared with the study's PillarAttn at min_budget 64
     with pytest.raises(ValueError, match="budget rule"):
         make_policy("pillar:budget_ratio=0", 64)
 
