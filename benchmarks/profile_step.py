@@ -47,7 +47,12 @@ def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, f
 
 
 def measure(model, prompts, args, run: str) -> dict:
-    n = args.new_tokens
+    # every request must still be decoding when the timing ends: one admitted early decodes (in AR mode one
+    # token an iteration) through the rest of the chunked prefill, so its length covers the prefill too
+    # (at 256 x 8,000-token prompts a 400-token run lost 48 requests before the timing: 208 AR rows)
+    prefill_bound = sum(len(p) for p in prompts) // SparseSpecConfig().prefill_chunk_size + len(prompts)
+    timed = args.warm_iterations + args.iterations + (args.profile_iterations if args.profile else 0)
+    n = max(args.new_tokens, prefill_bound + timed + 1)
     gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
                            eos_token_id=None, pad_token_id=0)  # fmt: skip
     fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run]
@@ -123,7 +128,12 @@ def main() -> None:
         default=0,
         help="prompt length (0: 100-250 tokens, as the mmath prompts); long prompts emulate late decoding",
     )
-    parser.add_argument("--new-tokens", type=int, default=400)
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=400,
+        help="output length (raised to outlast the prefill and the timed iterations)",
+    )
     parser.add_argument("--warm-iterations", type=int, default=60)
     parser.add_argument("--iterations", type=int, default=36)
     parser.add_argument("--profile", action="store_true", help="also trace kernels (torch.profiler)")
