@@ -68,7 +68,7 @@ class SparseSpecConfig:
             look, found from the token ids alone, refreshed at every step), `"induction_diagonal"`
             (both: PillarAttn's keys, the diagonal's moved keys and the induction keys; the best
             acceptance measured: teacher-forced on Qwen2.5-Coder-1.5B at ~4K contexts, 960 cycles,
-            7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes, 7.32 at 1.30x with
+            7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes, 7.32 at 1.302x with
             `min_budget=112` against PillarAttn's 64; through the engine at 256 x 8192 on the H200,
             7.78 against 6.02 and 1.30x its tokens/s, docs/measurements.md 11-12),
             `"streaming"` (first `num_sink_tokens` keys plus the
