@@ -47,16 +47,16 @@ def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, f
 
 
 def measure(model, prompts, args, run: str) -> dict:
+    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run]
+    config = SparseSpecConfig(**fields)
     # every request must still be decoding when the timing ends: one admitted early decodes (in AR mode one
     # token an iteration) through the rest of the chunked prefill, so its length covers the prefill too
     # (at 256 x 8,000-token prompts a 400-token run lost 48 requests before the timing: 208 AR rows)
-    prefill_bound = sum(len(p) for p in prompts) // SparseSpecConfig().prefill_chunk_size + len(prompts)
+    prefill_bound = sum(len(p) for p in prompts) // config.prefill_chunk_size + len(prompts)
     timed = args.warm_iterations + args.iterations + (args.profile_iterations if args.profile else 0)
     n = max(args.new_tokens, prefill_bound + timed + 1)
     gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
                            eos_token_id=None, pad_token_id=0)  # fmt: skip
-    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run]
-    config = SparseSpecConfig(**fields)
     job = prepare_batch(model, prompts, gen)
     engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
     runner = engine.runner

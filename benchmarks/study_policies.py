@@ -73,9 +73,11 @@ class VerifyView:
             scores = self.probs.amax(dim=(2, 3))
         elif pool == "headmax":
             scores = self.probs.mean(dim=3).amax(dim=2)
-        else:
+        elif pool == "late":
             weight = torch.arange(1, self.probs.shape[3] + 1, device=self.probs.device, dtype=self.probs.dtype)
             scores = (self.probs * (weight / weight.sum())[:, None]).sum(dim=3).mean(dim=2)
+        else:
+            raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
         old = torch.arange(scores.shape[-1], device=scores.device)[None, :] < self.block_start[:, None]
         return scores.masked_fill(~old[:, None, :], float("-inf"))
 
