@@ -112,21 +112,39 @@ class Policy:
     """Base: a frozen selection made at each verification (`self.masks[layer]`), budget by the engine's rule."""
 
     hindsight = False  # True: needs `probe` over the dense chain of each cycle before drafting
+    carries_scores = True  # False: the policy does not select by `carried_scores` (`carry=` is refused)
 
     def __init__(self, name: str, min_budget: int, budget_ratio: float = 0.05, budget_scale: float = 1.0,
-                 pool: str = "mean"):  # fmt: skip
+                 pool: str = "mean", carry: float = 0.0):  # fmt: skip
         if pool not in POOLS:
             raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
+        if not 0.0 <= carry < 1.0:
+            raise ValueError(f"carry: expected 0 <= carry < 1, got {carry}")
+        if carry and not self.carries_scores:
+            raise ValueError(f"carry: {type(self).__name__} does not select by PillarAttn's score")
         self.name, self.min_budget, self.budget_ratio, self.budget_scale = name, min_budget, budget_ratio, budget_scale
         # the study's min_budget (`--min-budgets`) this policy is compared at, against the PillarAttn of that
         # setting, even when its spec replaces the budget rule (`make_policy`)
         self.study_min_budget = min_budget
-        self.pool = pool
+        self.pool, self.carry = pool, carry
         self.rows = slice(0, 0)
         self.masks: list[torch.Tensor | None] = []
+        self.history: list[torch.Tensor | None] = []
 
     def bind(self, rows: slice, num_layers: int) -> None:
-        self.rows, self.masks = rows, [None] * num_layers
+        self.rows, self.masks, self.history = rows, [None] * num_layers, [None] * num_layers
+
+    def carried_scores(self, layer: int, view: VerifyView) -> torch.Tensor:
+        """PillarAttn's score of this verification; with `carry = c > 0`, plus `c` times the previous
+        verification's carried score (a key's attention decays by `c` per cycle instead of being
+        forgotten; keys that were not old then start from this verification's score alone)."""
+        scores = view.pillar_scores(self.pool)
+        if self.carry > 0.0:
+            previous = self.history[layer]
+            if previous is not None:
+                scores = scores + self.carry * torch.where(torch.isfinite(previous), previous, 0.0)
+            self.history[layer] = scores
+        return scores
 
     def budget(self, block_start: torch.Tensor, num_draft: int) -> torch.Tensor:
         """B of the cycle a verification starting at `block_start [r]` opens (engine rule, then scaled)."""
@@ -135,7 +153,7 @@ class Policy:
         return torch.minimum(torch.round(base * self.budget_scale).long(), block_start)
 
     def after_verify(self, layer: int, view: VerifyView) -> None:
-        self.masks[layer] = top_mask(view.pillar_scores(self.pool), view.budget[:, None])
+        self.masks[layer] = top_mask(self.carried_scores(layer, view), view.budget[:, None])
 
     def end_verify(self) -> None:
         """Called after every layer's `after_verify` of one verification pass."""
@@ -153,6 +171,8 @@ class Policy:
 class Dense(Policy):
     """Every old key (a harness check: must accept all k drafts under greedy)."""
 
+    carries_scores = False
+
     def after_verify(self, layer: int, view: VerifyView) -> None:
         pass
 
@@ -168,6 +188,8 @@ class Pillar(Policy):
 class Streaming(Policy):
     """First `num_sink` keys plus the newest keys before the recent window, the same in every layer/head."""
 
+    carries_scores = False
+
     def __init__(self, name, min_budget, budget_ratio=0.05, *, num_sink: int = 4, **common):
         super().__init__(name, min_budget, budget_ratio, **common)
         self.num_sink = num_sink
@@ -182,6 +204,8 @@ class Streaming(Policy):
 
 class OracleStep(Policy):
     """Per-step oracle: top-B by this draft query's own exact attention (group mean), at every step and layer."""
+
+    carries_scores = False
 
     def after_verify(self, layer, view):
         pass
@@ -206,6 +230,7 @@ class OracleFrozen(Policy):
     draft queries (the greedy continuation the drafts must reproduce), chosen before drafting."""
 
     hindsight = True
+    carries_scores = False
 
     def after_verify(self, layer, view):
         pass
@@ -287,7 +312,7 @@ class Rerank(Policy):
 
     def after_verify(self, layer, view):
         size = torch.minimum(torch.round(self.candidates * view.budget).long(), view.block_start)
-        self.masks[layer] = top_mask(view.pillar_scores(self.pool), size[:, None])
+        self.masks[layer] = top_mask(self.carried_scores(layer, view), size[:, None])
         if self.diagonal:
             self.offsets[layer] = diagonal_offsets(view, self.diagonal)
 
@@ -312,6 +337,8 @@ class SharedBudget(Policy):
     are a probability mass, so this covers the most verified attention); `mode="entropy"` gives each head
     a budget proportional to exp(entropy) of its scores. Each head keeps at least `floor * B` keys and
     at most `cap * B` (the width of a fixed selected-index store)."""
+
+    carries_scores = False
 
     def __init__(self, name, min_budget, budget_ratio=0.05, *, mode: str = "mass", floor: float = 0.25,
                  cap: float = 4.0, **common):  # fmt: skip

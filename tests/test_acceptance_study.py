@@ -36,7 +36,7 @@ from hf_sparsespec import SparseSpecConfig  # noqa: E402
 K = 8
 SPECS = ["dense", "pillar", "streaming", "oracle_step", "oracle_first", "oracle_frozen", "quest:page_size=4",
          "rerank:candidates=2", "shared:mode=mass", "shared:mode=entropy", "diagonal", "induction",
-         "induction:top=2,diagonal=1"]  # fmt: skip
+         "induction:top=2,diagonal=1", "induction:top=2,diagonal=1,carry=0.5"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +169,33 @@ def test_pillar_score_pools():
     assert make_policy("pillar:pool=headmax", 64).pool == "headmax"
     with pytest.raises(ValueError, match="pool: expected one of"):
         make_policy("pillar:pool=median", 64)
+
+
+def test_carried_scores_decay_across_verifications():
+    # one row, one KV head, a group of 1, one block query; the first verification sees keys 0-2 as old,
+    # the second keys 0-4
+    policy = make_policy("pillar:carry=0.5", 64)
+    policy.bind(slice(0, 1), num_layers=1)
+    first = torch.tensor([0.9, 0.05, 0.05, 0.0, 0.0, 0.0])
+    second = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4, 0.0])
+    for probs, start in ((first, 3), (second, 5)):
+        view = VerifyView(probs=probs.view(1, 1, 1, 1, 6), block_start=torch.tensor([start]), budget=torch.tensor([2]))
+        policy.after_verify(0, view)
+    carried = policy.history[0][0, 0]
+    assert torch.allclose(carried[:5], torch.tensor([0.45, 0.125, 0.225, 0.3, 0.4]))
+    assert carried[5] == float("-inf")  # not old
+    assert policy.masks[0][0, 0].nonzero().flatten().tolist() == [0, 4]  # key 0 kept by its history
+    without = make_policy("pillar", 64)
+    without.bind(slice(0, 1), num_layers=1)
+    without.after_verify(0, view)
+    assert without.masks[0][0, 0].nonzero().flatten().tolist() == [3, 4]
+    # a new text (bind) forgets the history
+    policy.bind(slice(0, 1), num_layers=1)
+    assert policy.history == [None]
+    with pytest.raises(ValueError, match="carry: expected"):
+        make_policy("pillar:carry=1", 64)
+    with pytest.raises(ValueError, match="does not select by PillarAttn"):
+        make_policy("oracle_step:carry=0.5", 64)
 
 
 def test_moved_keys_follow_the_diagonal():
