@@ -78,21 +78,21 @@ BF16_FLOPS_PER_S = 790e12
 SELECTIONS = {  # run name -> SparseSpecConfig fields
     "ar": dict(num_draft_tokens=0),
     "ar_compiled": dict(num_draft_tokens=0, compile_forward=True),
-    "pillar_compiled": dict(compile_forward=True),
+    "pillar_compiled": dict(selection="pillar", compile_forward=True),
     "diagonal_compiled": dict(selection="diagonal", compile_forward=True),
     "induction": dict(selection="induction"),
     "induction_compiled": dict(selection="induction", compile_forward=True),
     "induction_diagonal": dict(selection="induction_diagonal"),
     "induction_diagonal_compiled": dict(selection="induction_diagonal", compile_forward=True),
-    "pillar": dict(),
+    "pillar": dict(selection="pillar"),
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),
     "dense": dict(selection="dense"),
-    "adaptive": dict(adaptive_draft_tokens=True),
+    "adaptive": dict(adaptive_draft_tokens=True, selection="pillar"),
     "adaptive_induction_diagonal": dict(adaptive_draft_tokens=True, selection="induction_diagonal"),
-    "naive": dict(scheduler="naive", delayed_verification=False, cuda_graphs=False),
-    "unified": dict(delayed_verification=False, cuda_graphs=False),
-    "delayed": dict(cuda_graphs=False),
+    "naive": dict(selection="pillar", scheduler="naive", delayed_verification=False, cuda_graphs=False),
+    "unified": dict(selection="pillar", delayed_verification=False, cuda_graphs=False),
+    "delayed": dict(selection="pillar", cuda_graphs=False),
 }
 
 

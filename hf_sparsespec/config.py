@@ -66,11 +66,12 @@ class SparseSpecConfig:
             every draft step, in every layer and KV head, the keys right after the latest
             `num_induction_keys` older occurrences of the token the draft reads: where induction heads
             look, found from the token ids alone, refreshed at every step), `"induction_diagonal"`
-            (both: PillarAttn's keys, the diagonal's moved keys and the induction keys; the best
-            acceptance measured: teacher-forced on Qwen2.5-Coder-1.5B at ~4K contexts, 960 cycles,
-            7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes, 7.32 at 1.302x with
-            `min_budget=112` against PillarAttn's 64; through the engine at 256 x 8192 on the H200,
-            7.78 against 6.02 and 1.30x its tokens/s, docs/measurements.md 11-12),
+            (both: PillarAttn's keys, the diagonal's moved keys and the induction keys; the default,
+            and the best acceptance measured: teacher-forced on Qwen2.5-Coder-1.5B at ~4K contexts,
+            960 cycles, 7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes, 7.32 at 1.302x
+            with `min_budget=112` against PillarAttn's 64; through the engine on the H200, 7.78
+            against 6.02 and 1.30x PillarAttn's tokens/s at 256 x 8192, 1.40x with 6x the K/V per
+            token, docs/measurements.md 11-13; `"pillar"` is the paper's selection),
             `"streaming"` (first `num_sink_tokens` keys plus the
             most recent ones), or `"dense"` (draft with full attention; accepts everything under
             greedy, a sanity check). Verification is the same for all: only acceptance changes.
@@ -131,7 +132,7 @@ class SparseSpecConfig:
     budget_ratio: float = 0.05
     min_budget: int = 128
     scheduler: Literal["unified", "naive"] = "unified"
-    selection: Literal["pillar", "diagonal", "induction", "induction_diagonal", "streaming", "dense"] = "pillar"
+    selection: Literal["pillar", "diagonal", "induction", "induction_diagonal", "streaming", "dense"] = "induction_diagonal"
     num_sink_tokens: int = 4
     num_induction_keys: int = 16
     delayed_verification: bool = True
