@@ -88,6 +88,15 @@ def test_output_distribution_equals_plain_sampling(sampling, num_draft_tokens):
     assert_same_distribution(plain, ours)
 
 
+def test_pillar_selection_keeps_the_distribution():
+    """The paper's selection (the tests above run the default, `"induction_diagonal"`)."""
+    config = SparseSpecConfig(num_draft_tokens=1, min_budget=1, budget_ratio=0.01, page_size=2,
+                              max_num_requests=SAMPLES, selection="pillar")  # fmt: skip
+    plain, ours, total, _ = sample_both(dict(temperature=1.0, top_k=0), config, NEW_TOKENS)
+    assert 0.05 < total.acceptance_rate < 0.95, total.as_dict()
+    assert_same_distribution(plain, ours)
+
+
 def test_adaptive_draft_lengths_keep_the_distribution():
     """k = 3, min 1, 10 new tokens: after the dense first cycle, rejections shorten later cycles."""
     config = SparseSpecConfig(num_draft_tokens=3, min_budget=1, budget_ratio=0.01, page_size=2,
