@@ -54,14 +54,16 @@ def test_graphs_equal_eager_and_plain_generate(arch, k, runners):
     assert without.counters.graph_replays == 0
 
 
-def test_diagonal_selection_with_graphs_equals_eager_and_plain_generate(runners):
-    """The moved-key offsets are written and read inside captured iterations (workspace zeroed by the
-    graph itself): replays give what eager iterations and plain `generate` give."""
+@pytest.mark.parametrize("selection", ["pillar", "diagonal"])
+def test_selection_with_graphs_equals_eager_and_plain_generate(selection, runners):
+    """The other selections than the default (`"induction_diagonal"`, above). The diagonal's moved-key
+    offsets are written and read inside captured iterations (workspace zeroed by the graph itself):
+    replays give what eager iterations and plain `generate` give."""
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
     outs = [_generate(model, ids, mask, SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4,
-                                                         selection="diagonal", cuda_graphs=graphs), do_sample=False)
+                                                         selection=selection, cuda_graphs=graphs), do_sample=False)
             for graphs in (True, False)]  # fmt: skip
     assert_greedy_equal(model, expected, outs[0].sequences, mask)
     assert torch.equal(outs[0].sequences, outs[1].sequences)
@@ -69,7 +71,7 @@ def test_diagonal_selection_with_graphs_equals_eager_and_plain_generate(runners)
     assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0
 
 
-@pytest.mark.parametrize("selection", ["pillar", "diagonal", "streaming"])
+@pytest.mark.parametrize("selection", ["induction_diagonal", "pillar", "diagonal", "streaming"])
 def test_sampling_with_graphs_is_seeded_and_accepts_drafts(selection, runners):
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
