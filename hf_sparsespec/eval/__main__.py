@@ -13,6 +13,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from hf_sparsespec.config import SELECTION_POLICIES
 from hf_sparsespec.eval.config import MODES, TASKS, EvalConfig
 
 
@@ -44,7 +45,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=defaults["num_draft_tokens"])
     p.add_argument("--budget-ratio", type=float, default=defaults["budget_ratio"])
     p.add_argument("--min-budget", type=int, default=defaults["min_budget"])
+    p.add_argument("--selection", default=defaults["selection"], choices=SELECTION_POLICIES,
+                   help="the old keys a draft step reads (default: %(default)s; 'pillar' is the paper's PillarAttn)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--compile-forward", action="store_true",
+                   help="torch.compile the decode forward (minutes of compilation; pays off on long runs)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--humaneval-timeout", type=float, default=defaults["humaneval_timeout"])
     p.add_argument("--no-plots", dest="plots", action="store_false")

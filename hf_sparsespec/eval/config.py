@@ -42,7 +42,9 @@ class EvalConfig:
         dtype: `"auto"` is bfloat16 on CUDA and float32 on CPU.
         device: None uses accelerate's device for this process (a GPU per process when launched
             with `accelerate launch`).
-        num_draft_tokens, budget_ratio, min_budget, backend: `SparseSpecConfig` options.
+        num_draft_tokens, budget_ratio, min_budget, selection, backend, compile_forward:
+            `SparseSpecConfig` options (`selection="pillar"` is the paper's PillarAttn; the default,
+            `"induction_diagonal"`, accepts more drafts).
         warmup: first run one untimed generation per mode over the first batch's prompts, up to
             `WARMUP_TOKENS` tokens (kernel compilation, graph capture, the allocator).
         humaneval_timeout: seconds each HumanEval program may run.
@@ -74,7 +76,9 @@ class EvalConfig:
     num_draft_tokens: int = 8
     budget_ratio: float = 0.05
     min_budget: int = 128
+    selection: str = SparseSpecConfig.selection
     backend: str = "auto"
+    compile_forward: bool = False
     warmup: bool = True
     humaneval_timeout: float = 10.0
     plots: bool = True
@@ -110,7 +114,9 @@ class EvalConfig:
             num_draft_tokens=self.num_draft_tokens,
             budget_ratio=self.budget_ratio,
             min_budget=self.min_budget,
+            selection=self.selection,
             backend=self.backend,
+            compile_forward=self.compile_forward,
         )
 
     def as_dict(self) -> dict:

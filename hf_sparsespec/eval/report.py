@@ -108,10 +108,13 @@ def merge_reports(reports: list[dict]) -> dict:
 
     first = reports[0]
     options = {**first["config"], "modes": tuple(first["config"]["modes"]), "filters": tuple(first["config"]["filters"])}
+    options["selection"] = _selection(first)
     config = EvalConfig(**options)
     for report in reports[1:]:
         if list(report["runs"]) != list(first["runs"]) or report["task"] != first["task"]:
             raise ValueError(f"expected reports of the same modes and task, got {list(report['runs'])} {report['task']}")
+        if _selection(report) != config.selection:
+            raise ValueError(f"expected reports of the same selection, got {_selection(report)!r} and {config.selection!r}")
     records, offset = [], 0
     for report in reports:
         records += [{**record, "index": record["index"] + offset} for record in report["examples"]]
@@ -137,9 +140,16 @@ def _percent(value) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
+def _selection(report: dict) -> str:
+    """The SparseSpec selection a report ran: reports from before 2026-12-02 ran PillarAttn (the
+    default then) and do not name it."""
+    return report["config"].get("selection", "pillar")
+
+
 def markdown(report: dict) -> str:
     """A results table, the greedy check, the histogram and a per-example table."""
     config, runs, n = report["config"], report["runs"], report["num_examples"]
+    selection = _selection(report)
     lines = [
         f"## {Path(config['model']).name} on {Path(config['dataset']).name} ({report['task']}, {n} examples)",
         "",
@@ -147,7 +157,9 @@ def markdown(report: dict) -> str:
         f"{config['batch_size']}, max_new_tokens {config['max_new_tokens']}, "
         + ("greedy" if not config["do_sample"] else f"sampling T={config['temperature']} top-p={config['top_p']}")
         + f"; SparseSpec k={config['num_draft_tokens']}, budget_ratio={config['budget_ratio']}, "
-        f"min_budget={config['min_budget']}; torch {report['versions']['torch']}, "
+        f"min_budget={config['min_budget']}, selection {selection}"
+        + (", compiled forward" if config.get("compile_forward") else "")
+        + f"; torch {report['versions']['torch']}, "
         f"transformers {report['versions']['transformers']}",
         "",
         "| decoding | accuracy | output tokens | time (s) | tokens/s | accepted drafts / cycle | acceptance rate |",
