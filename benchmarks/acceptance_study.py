@@ -67,7 +67,7 @@ def get_texts(args, model, tokenizer) -> list[dict]:
     return load_or_generate(
         args.texts_file, model, tokenizer, args.texts, max_new=args.max_new, min_new=args.min_new,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, penalty=args.penalty,
-        window=args.penalty_window, turns=args.turns, turn_cap=args.turn_cap,
+        window=args.penalty_window, turns=args.turns, turn_cap=args.turn_cap, first_problem=args.first_problem,
     )  # fmt: skip
 
 
@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--turns", action="store_true", help="multi-turn texts (next problem on each end of turn)")
     parser.add_argument("--turn-cap", type=int, default=1400)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--first-problem", type=int, default=0,
+                        help="texts start on this mmath problem (another value: held-out texts)")
     parser.add_argument("--texts-only", action="store_true", help="make (or check) the texts file and stop")
     parser.add_argument("--bins", default="500,1000,1500")
     parser.add_argument("--threads", type=int, default=1)

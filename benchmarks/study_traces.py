@@ -35,15 +35,19 @@ class WindowedRepetitionPenalty(LogitsProcessor):
         return scores.scatter(1, recent, picked)
 
 
-def problems(sources=("AIME2024", "AIME2025", "MATH500")) -> list[dict]:
-    """mmath problems from `sources`, interleaved (the order `prompts.reasoning_prompts` uses)."""
+def problems(sources=("AIME2024", "AIME2025", "MATH500"), first: int = 0) -> list[dict]:
+    """mmath problems from `sources`, interleaved (the order `prompts.reasoning_prompts` uses), starting
+    at the `first`-th (the pool wraps around): another `first` gives texts on other problems, a held-out
+    set for checking what was tuned on the default one."""
     by_source = {s: [p for p in load_mmath() if p["data_source"] == s] for s in sources}
     picked = []
     while any(by_source.values()):
         for source in sources:
             if by_source[source]:
                 picked.append(by_source[source].pop(0))
-    return picked
+    if not 0 <= first < len(picked):
+        raise ValueError(f"first problem: expected 0 <= first < {len(picked)}, got {first}")
+    return picked[first:] + picked[:first]
 
 
 def _user_text(problem: dict) -> str:
@@ -68,10 +72,11 @@ def _batched_generate(model, tokenizer, contexts: list[list[int]], max_new: int,
 
 def generate_texts(model, tokenizer, count: int, max_new: int, min_new: int = 0, temperature: float = 0.6,
                    top_p: float = 1.0, seed: int = 1234, penalty: float = 0.0, window: int = 96,
-                   turns: bool = False, turn_cap: int = 1400) -> list[dict]:  # fmt: skip
+                   turns: bool = False, turn_cap: int = 1400, first_problem: int = 0) -> list[dict]:  # fmt: skip
     """`count` texts: dicts with `tokens` (prompt + continuation), `prompt_len`, `forced` ([start, end)
-    spans not sampled by the model, the prompt included) and the recipe."""
-    pool = problems()
+    spans not sampled by the model, the prompt included) and the recipe. Texts start on the problems
+    `first_problem, first_problem + 1, ...` of `problems()` (multi-turn texts take the next ones)."""
+    pool = problems(first=first_problem)
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     stop_ids = [i for i in stop_ids if isinstance(i, int) and i >= 0] or list(
         filter(None, [model.generation_config.eos_token_id])
@@ -127,11 +132,18 @@ def generate_texts(model, tokenizer, count: int, max_new: int, min_new: int = 0,
                 text["turns"] += 1
                 still.append(i)
             active = still
-    recipe = dict(max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, seed=seed,
-                  penalty=penalty, window=window, turns=turns, turn_cap=turn_cap)  # fmt: skip
+    recipe = stored_recipe(dict(max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, seed=seed,
+                                penalty=penalty, window=window, turns=turns, turn_cap=turn_cap,
+                                first_problem=first_problem))  # fmt: skip
     for text in texts:
         text["recipe"] = recipe
     return texts
+
+
+def stored_recipe(recipe: dict) -> dict:
+    """The recipe as a texts file records it: `first_problem` only where set, so that files made before
+    the option existed keep matching theirs."""
+    return {key: value for key, value in recipe.items() if not (key == "first_problem" and value == 0)}
 
 
 def load_or_generate(path: Path, model, tokenizer, count: int, **recipe) -> list[dict]:
@@ -140,7 +152,7 @@ def load_or_generate(path: Path, model, tokenizer, count: int, **recipe) -> list
     path = Path(path)
     if path.is_file():
         texts = json.loads(path.read_text())
-        if len(texts) < count or any(t["recipe"] != recipe for t in texts):
+        if len(texts) < count or any(t["recipe"] != stored_recipe(recipe) for t in texts):
             raise ValueError(f"{path} holds {len(texts)} texts made with {texts[0]['recipe']}; expected >= {count} "
                              f"made with {recipe}: pass the same recipe, or another --texts-file")  # fmt: skip
         return texts[:count]

@@ -228,3 +228,26 @@ def test_summary_rows():
     assert rows["diagonal"]["bytes_vs_pillar"] == pytest.approx(1.15)
     assert rows["diagonal"]["by_context"]["0-500"]["cycles"] == 2
     assert rows["pillar"]["histogram"][2] == 0.5
+
+
+def test_held_out_texts_start_on_other_problems(monkeypatch, tmp_path):
+    """`--first-problem`: the pool rotates (held-out texts are on other problems), out-of-range starts
+    are refused, and a texts file made before the option still matches the default recipe while one
+    made with another start does not."""
+    import json
+
+    import study_traces
+
+    pool = [{"question": f"q{i}", "data_source": source} for i, source in enumerate(["AIME2024", "MATH500"] * 3)]
+    monkeypatch.setattr(study_traces, "load_mmath", lambda: pool)
+    default = [p["question"] for p in study_traces.problems()]
+    assert [p["question"] for p in study_traces.problems(first=4)] == default[4:] + default[:4]
+    with pytest.raises(ValueError, match="first problem"):
+        study_traces.problems(first=len(pool))
+    recipe = dict(max_new=8, min_new=0, temperature=0.6, top_p=1.0, seed=1, penalty=0.0, window=96, turns=False,
+                  turn_cap=1400)  # fmt: skip
+    path = tmp_path / "texts.json"
+    path.write_text(json.dumps([{"tokens": [1, 2], "prompt_len": 1, "forced": [[0, 1]], "recipe": recipe}]))
+    assert study_traces.load_or_generate(path, None, None, 1, **recipe, first_problem=0)[0]["tokens"] == [1, 2]
+    with pytest.raises(ValueError, match="recipe"):
+        study_traces.load_or_generate(path, None, None, 1, **recipe, first_problem=4)

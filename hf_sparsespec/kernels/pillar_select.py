@@ -18,6 +18,9 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   selected-index store.
 - `"diagonal"` selection (`moved_keys.py`): the same scoring pass also keeps each (query, head)'s most
   attended old key (`TRACK_BEST`), and `store_moved_offsets` writes them as offsets into their store.
+  A program keeps a running best over all its keys (a plain max per key block; the position search
+  only in the few blocks that beat it) and folds it into the row's entry by one atomic max per query
+  tile, not per block and chunk.
 """
 
 from __future__ import annotations
@@ -145,22 +148,25 @@ def _pillar_scores_kernel(
     score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
     best_row_ptr = best_ptr + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
     num_q_tiles = tl.maximum(tl.cdiv(q_len, BLOCK_M // GROUP), 1)
-    for chunk in range(first_chunk, tl.cdiv(num_old, KEYS_PER_PROGRAM), chunk_step):
-        key_lo = chunk * KEYS_PER_PROGRAM
-        key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
-        # Usually one query tile; with more, the chunk's partial sums wait in `scores` between tiles.
-        for q_tile in range(0, num_q_tiles):
-            tile_q = q_tile * (BLOCK_M // GROUP) + q_idx  # (BLOCK_M,) query of the row
-            m_valid = (q_idx < BLOCK_M // GROUP) & (tile_q < q_len)  # rows past the last whole query: padding
-            tok = (q0 + tile_q).to(tl.int64)
-            q = tl.load(
-                q_ptr + (tok * stride_q_tok + q_head * stride_q_head)[:, None] + offs_d[None, :],
-                mask=m_valid[:, None] & d_valid[None, :],
-                other=0.0,
-            )  # Q: (BLOCK_M, BLOCK_D)
-            lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
-            is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
-            best = tl.zeros([BLOCK_M], tl.int64)  # packed (probability bits, 2^31 - 1 - key); 0: none yet
+    # Usually one query tile; with more, a chunk's partial sums wait in `scores` between tiles (the
+    # same program owns the same chunks in every tile, so it reads back only what it wrote).
+    for q_tile in range(0, num_q_tiles):
+        tile_q = q_tile * (BLOCK_M // GROUP) + q_idx  # (BLOCK_M,) query of the row
+        m_valid = (q_idx < BLOCK_M // GROUP) & (tile_q < q_len)  # rows past the last whole query: padding
+        tok = (q0 + tile_q).to(tl.int64)
+        q = tl.load(
+            q_ptr + (tok * stride_q_tok + q_head * stride_q_head)[:, None] + offs_d[None, :],
+            mask=m_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )  # Q: (BLOCK_M, BLOCK_D)
+        lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
+        is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
+        # TRACK_BEST: each (query, head)'s best probability over this program's keys and its lowest key
+        best_p = tl.full([BLOCK_M], -1.0, tl.float32)
+        best_key = tl.zeros([BLOCK_M], tl.int32)
+        for chunk in range(first_chunk, tl.cdiv(num_old, KEYS_PER_PROGRAM), chunk_step):
+            key_lo = chunk * KEYS_PER_PROGRAM
+            key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
             for start in range(key_lo, key_hi, BLOCK_N):
                 key = start + offs_n  # (BLOCK_N,) positions
                 n_valid = key < key_hi
@@ -175,13 +181,22 @@ def _pillar_scores_kernel(
                 total = tl.where(is_last, total * inv_count, total)
                 tl.store(score_row_ptr + key, total, mask=n_valid)
                 if TRACK_BEST:
-                    top, arg = tl.max(tl.where(n_valid[None, :], p, -1.0), axis=1, return_indices=True)
-                    packed = (top.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - (start + arg))
-                    best = tl.maximum(best, tl.where(top >= 0.0, packed, 0))
-            if TRACK_BEST:
-                entry = tile_q * GROUP + offs_m % GROUP  # (BLOCK_M,) the (query, head)'s entry of the row's list
-                track = m_valid & (entry < num_entries) & (best > 0)
-                tl.atomic_max(best_row_ptr + entry, best, mask=track)
+                    # a plain max per block; the position search runs only in blocks that beat a
+                    # running best (a few per program: keys ascend, so the first maximum is kept)
+                    p_valid = tl.where(n_valid[None, :], p, -1.0)
+                    top = tl.max(p_valid, axis=1)
+                    improved = top > best_p
+                    if tl.max(improved.to(tl.int32), axis=0) > 0:
+                        first = tl.min(tl.where(p_valid == top[:, None], offs_n[None, :], BLOCK_N), axis=1)
+                        best_key = tl.where(improved, start + first, best_key)
+                        best_p = tl.where(improved, top, best_p)
+        if TRACK_BEST:
+            # packed (probability bits, 2^31 - 1 - key): the atomic max across programs keeps the best
+            # probability and, on ties, the lowest key; 0 means none
+            packed = (best_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - best_key).to(tl.int64)
+            entry = tile_q * GROUP + offs_m % GROUP  # (BLOCK_M,) the (query, head)'s entry of the row's list
+            track = m_valid & (entry < num_entries) & (best_p >= 0.0)
+            tl.atomic_max(best_row_ptr + entry, packed, mask=track)
 
 
 def _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys) -> int:

@@ -26,9 +26,12 @@ from hf_sparsespec.kernels.sparse_attention import sparse_draft_attention, spars
 from hf_sparsespec.kernels.triton_backend import TritonBackend
 
 # (context_lens, q_lens) of verification rows, as the PillarAttn scoring tests: blocks of 9, a row with no
-# old keys, a row whose packed block needs two query tiles (and a short one), a page-edge row.
+# old keys, a row whose packed block needs two query tiles (and a short one), a page-edge row, and rows
+# long enough that a program scans several key blocks and chunks and two programs share a row (the
+# best key is folded across blocks, then across programs).
 VERIFY_CASES = {
     "verify": ([97, 40], [9, 9]),
+    "several_chunks": ([1300, 700], [9, 9]),
     "no_old_keys": ([9, 30], [9, 9]),
     "two_query_tiles": ([60, 20], [30, 2]),
     "page_edge": ([25, 16], [9, 9]),
