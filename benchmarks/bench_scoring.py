@@ -4,7 +4,7 @@ selections' best-key tracking, over a few launch configurations (one GPU, bf16).
 One layer of Qwen2.5-1.5B's shape (12 query / 2 KV heads, head_dim 128, pages of 16 shuffled): `--rows`
 padded verification rows, the first `--active` of them with k + 1 = 9 queries and `--context` keys
 (the rest padding, as a 256-row unified batch pads ~29 verifications to 32). Per configuration
-(`BLOCK_N`, `num_warps`, `num_stages` of the "score" / "score_best" launch config): the scoring kernel
+(`BLOCK_N`, `num_warps`, `num_stages` of the "score" launch config): the scoring kernel
 alone and the whole refresh (`update_selection`: scores, top-B into the selected-index store, and the
 moved-key offsets), as medians of CUDA-graph replays (GPU time). The bandwidth column counts the K
 bytes the scoring pass must read (each old key of each active row once per KV head). Prints a table
@@ -91,12 +91,12 @@ def main() -> None:
     k_bytes = args.active * (args.context - K_DRAFTS - 1) * MODELS[MODEL][1] * head_dim * x["problem"].k_cache.element_size()
     saved = dict(_attention_tile.LAUNCH_CONFIG)
     results = []
-    for kind, track_best in (("score", False), ("score_best", True)):
+    for track_best in (False, True):
         for block_n, warps, stages in CANDIDATES:
             config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "KEYS_PER_PROGRAM": 512}
-            _attention_tile.LAUNCH_CONFIG[(kind, head_dim)] = config
+            _attention_tile.LAUNCH_CONFIG[("score", head_dim)] = config
             scores_ms, refresh_ms = time_config(x, track_best)
-            results.append(dict(kind=kind, block_n=block_n, num_warps=warps, num_stages=stages, scores_ms=scores_ms,
+            results.append(dict(track_best=track_best, block_n=block_n, num_warps=warps, num_stages=stages, scores_ms=scores_ms,
                                 refresh_ms=refresh_ms, k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
         _attention_tile.LAUNCH_CONFIG.clear()
@@ -111,7 +111,7 @@ def main() -> None:
     print("| pass | BLOCK_N | warps | stages | scoring ms | scoring K GB/s | refresh ms (scores + top-B + offsets) |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        name = "PillarAttn" if r["kind"] == "score" else "with best-key tracking"
+        name = "with best-key tracking" if r["track_best"] else "PillarAttn"
         print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['scores_ms']:.4f} | "
               f"{r['k_gb_per_s']:.0f} | {r['refresh_ms']:.4f} |")  # fmt: skip
 

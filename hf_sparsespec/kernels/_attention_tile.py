@@ -288,8 +288,7 @@ def merge_splits(
 
 # Launch configuration per (kernel family, head_dim): "full" = prefill/verify tiles, "decode" = full
 # rows whose packed tile is 16 rows (one query per row), "draft" = one-query sparse tiles, "mixed" = the
-# fused kernel (BLOCK_N of each path, one num_warps/num_stages), "score" = PillarAttn scoring
-# ("score_best": with the diagonal selections' best-key tracking). The
+# fused kernel (BLOCK_N of each path, one num_warps/num_stages), "score" = PillarAttn scoring. The
 # head_dim 64/128 entries are the fastest of `benchmarks/bench_kernels.py --sweep` on an H200
 # (Triton 3.6, docs/kernels.md); other head dims use the `None` entries.
 LAUNCH_CONFIG: dict[tuple[str, int | None], dict[str, int]] = {
@@ -302,9 +301,6 @@ LAUNCH_CONFIG: dict[tuple[str, int | None], dict[str, int]] = {
     ("mixed", 128): {"BLOCK_N_FULL": 64, "BLOCK_N_DRAFT": 128, "num_warps": 4, "num_stages": 3},
     ("mixed", 64): {"BLOCK_N_FULL": 128, "BLOCK_N_DRAFT": 64, "num_warps": 4, "num_stages": 3},
     ("score", None): {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "KEYS_PER_PROGRAM": 512},
-    # the scoring pass that also tracks each query's best key (the diagonal selections): two more
-    # [BLOCK_N, BLOCK_M] tiles live across its loop (`benchmarks/bench_scoring.py`)
-    ("score_best", None): {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "KEYS_PER_PROGRAM": 512},
 }
 
 

@@ -18,12 +18,9 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   selected-index store.
 - `"diagonal"` selection (`moved_keys.py`): the same scoring pass also keeps each (query, head)'s most
   attended old key (`TRACK_BEST`), and `store_moved_offsets` writes them as offsets into their store.
-  A program keeps a running best per (key slot, query row) of its tile over all its keys (elementwise,
-  no reduction per block), reduces it once after its last block and folds it into the row's entry by
-  one atomic max per query tile.
-
-The tile is keys x queries (`K @ Q^T`): the sum over a key's queries then runs along the rows of the
-MMA accumulator, within a thread and its three neighbours, instead of across lanes and warps.
+  A program keeps a running best over all its keys (a plain max per key block; the position search
+  only in the few blocks that beat it) and folds it into the row's entry by one atomic max per query
+  tile, not per block and chunk.
 """
 
 from __future__ import annotations
@@ -164,11 +161,9 @@ def _pillar_scores_kernel(
         )  # Q: (BLOCK_M, BLOCK_D)
         lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
         is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
-        if TRACK_BEST:
-            # per (key slot of the block, query row): the best probability seen there and its key; one
-            # reduction over the slots after the program's last block (keys ascend: ties keep the first)
-            run_p = tl.full([BLOCK_N, BLOCK_M], -1.0, tl.float32)
-            run_key = tl.zeros([BLOCK_N, BLOCK_M], tl.int32)
+        # TRACK_BEST: each (query, head)'s best probability over this program's keys and its lowest key
+        best_p = tl.full([BLOCK_M], -1.0, tl.float32)
+        best_key = tl.zeros([BLOCK_M], tl.int32)
         for chunk in range(first_chunk, tl.cdiv(num_old, KEYS_PER_PROGRAM), chunk_step):
             key_lo = chunk * KEYS_PER_PROGRAM
             key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
@@ -178,23 +173,24 @@ def _pillar_scores_kernel(
                 page = tl.load(page_row_ptr + key // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
                 k_offs = (page * stride_cache_page + (key % PAGE_SIZE) * stride_cache_slot)[:, None] + offs_d[None, :]
                 k = tl.load(k_base + k_offs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # K: (BLOCK_N, BLOCK_D)
-                # keys x queries: the sum over the queries runs along the rows of the tile, within a
-                # thread and its neighbours, not across warps
-                s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-                p_t = tl.where(m_valid[None, :], tl.exp2(s_t - lse2[None, :]), 0.0)
-                total = tl.sum(p_t, axis=1)  # (BLOCK_N,)
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # S: (BLOCK_M, BLOCK_N)
+                p = tl.where(m_valid[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+                total = tl.sum(p, axis=0)  # (BLOCK_N,)
                 if q_tile > 0:
                     total += tl.load(score_row_ptr + key, mask=n_valid, other=0.0)
                 total = tl.where(is_last, total * inv_count, total)
                 tl.store(score_row_ptr + key, total, mask=n_valid)
                 if TRACK_BEST:
-                    p_valid = tl.where(n_valid[:, None], p_t, -1.0)
-                    better = p_valid > run_p
-                    run_key = tl.where(better, key[:, None], run_key)
-                    run_p = tl.where(better, p_valid, run_p)
+                    # a plain max per block; the position search runs only in blocks that beat a
+                    # running best (a few per program: keys ascend, so the first maximum is kept)
+                    p_valid = tl.where(n_valid[None, :], p, -1.0)
+                    top = tl.max(p_valid, axis=1)
+                    improved = top > best_p
+                    if tl.max(improved.to(tl.int32), axis=0) > 0:
+                        first = tl.min(tl.where(p_valid == top[:, None], offs_n[None, :], BLOCK_N), axis=1)
+                        best_key = tl.where(improved, start + first, best_key)
+                        best_p = tl.where(improved, top, best_p)
         if TRACK_BEST:
-            best_p = tl.max(run_p, axis=0)  # (BLOCK_M,)
-            best_key = tl.min(tl.where(run_p == best_p[None, :], run_key, 0x7FFFFFFF), axis=0)
             # packed (probability bits, 2^31 - 1 - key): the atomic max across programs keeps the best
             # probability and, on ties, the lowest key; 0 means none
             packed = (best_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - best_key).to(tl.int64)
@@ -254,7 +250,7 @@ def pillar_scores_into(
     # shapes alone, so no sync. Larger blocks loop over query tiles.
     tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
-    config = launch_config("score" if best is None else "score_best", head_dim, query.dtype)
+    config = launch_config("score", head_dim, query.dtype)
     keys_per_program = config["KEYS_PER_PROGRAM"]
     programs = PROGRAMS_PER_SM * num_sms(query.device)
     chunk_programs = max(1, min(triton.cdiv(scores.shape[2], keys_per_program), programs // (num_rows * num_kv_heads)))
