@@ -34,7 +34,6 @@ from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCOR
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
-from hf_sparsespec.kernels.keyed_sample import keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
 
@@ -358,7 +357,7 @@ class ModelRunner:
         # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         probs = torch.softmax(scores, dim=-1) if self.do_sample else None
-        keys = position_keys_ref(f["logits_stream"], prefix_len)
+        keys = self.backend.position_keys(f["logits_stream"], prefix_len)
         if self.do_sample:
             tokens = self.backend.keyed_sample(probs[v * spec :], keys[v * spec :])
         else:
@@ -381,7 +380,7 @@ class ModelRunner:
                     return self.backend.keyed_sample(residual, target_keys[verify_rows, accepted])
 
                 accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
-                                                      draft_probs, keyed_uniform_ref(f["accept_key"]), sample)  # fmt: skip
+                                                      draft_probs, self.backend.keyed_uniform(f["accept_key"]), sample)  # fmt: skip
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))

@@ -256,7 +256,7 @@ def _hash32(x: np.ndarray) -> np.ndarray:
 
 def position_keys(streams: np.ndarray, positions) -> np.ndarray:
     """`[n, 2]` int32 keys of the draws at `positions` of `streams` (host twin of
-    `kernels.keyed_sample.position_keys_ref`, which the device step runs)."""
+    `kernels.keyed_sample.position_keys_ref`, which the device step runs, or its Triton twin)."""
     words = np.asarray(streams, np.int32).reshape(-1, 2).view(np.uint32)
     p = np.broadcast_to(np.asarray(positions, np.int64), words.shape[:1]).astype(np.uint32)
     hi = _hash32(words[:, 0] ^ p)

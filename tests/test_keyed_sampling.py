@@ -19,9 +19,11 @@ from hf_sparsespec.kernels.keyed_sample import (
     hash32_ref,
     keyed_sample,
     keyed_sample_ref,
+    keyed_uniform,
     keyed_uniform_ref,
     position_keys_ref,
 )
+from hf_sparsespec.kernels.keyed_sample import position_keys as device_position_keys
 from hf_sparsespec.sampling import (
     ACCEPT_NOISE,
     DRAFT_NOISE,
@@ -73,6 +75,32 @@ def test_keys_are_distinct_per_request_position_and_purpose():
     assert len({tuple(k) for k in keys.tolist()}) == 30000
     assert not np.array_equal(sample_keys(8, 1, 2, DRAFT_NOISE), sample_keys(7, 1, 2, DRAFT_NOISE))
     assert np.array_equal(sample_keys(7, [3], [4], DRAFT_NOISE), sample_keys(7, 3, 4, DRAFT_NOISE))
+
+
+@pytest.mark.parametrize("words", [torch.int32, torch.int64])
+def test_triton_key_hashes_equal_the_references(words, device):
+    """position_keys and keyed_uniform in one launch each: the same bits as the references, for stream
+    words as int32 bit patterns (negative ones too) or int64, positions past 2^31, leading dimensions of
+    any shape, a strided view, and more rows than one program's block."""
+    generator = torch.Generator().manual_seed(0)
+    streams = torch.randint(-(2**31), 2**31, (3, 700, 2), generator=generator, dtype=torch.int64)
+    streams = (streams if words == torch.int64 else streams.to(torch.int32)).to(device)
+    positions = torch.randint(0, 2**33, (3, 700), generator=generator).to(device)
+    keys = device_position_keys(streams, positions)
+    expected = position_keys_ref(streams, positions)
+    assert keys.dtype == torch.int64 and keys.shape == (3, 700, 2)
+    assert torch.equal(keys, expected)
+    strided = streams[:, ::2]  # rows 2 apart: not one contiguous block
+    assert torch.equal(device_position_keys(strided, positions[:, ::2]), position_keys_ref(strided, positions[:, ::2]))
+    uniform = keyed_uniform(keys.to(words))
+    assert uniform.dtype == torch.float32 and uniform.shape == (3, 700)
+    assert torch.equal(uniform, keyed_uniform_ref(keys))
+    assert ((uniform > 0) & (uniform < 1)).all()
+    assert device_position_keys(streams[:0], positions[:0]).shape == (0, 700, 2)
+    with pytest.raises(ValueError, match="last dimension of 2"):
+        device_position_keys(streams[..., :1], positions)
+    with pytest.raises(ValueError, match="positions"):
+        device_position_keys(streams, positions[:, :5])
 
 
 @pytest.mark.parametrize("vocab", [1, 97, 5000])

@@ -6,7 +6,8 @@ per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` 
 with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `update_selection`
 (PillarAttn: score the verification rows' keys and write each row's top keys into the selected-index
 store; with `offsets`, also each row's moved-key offsets), and the sampler's `keyed_sample` (one token per row from keyed
-noise). The Triton calls never read device memory back (CUDA-graph safe).
+noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
+acceptance tests' uniforms). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref
+from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import update_selection_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
@@ -38,6 +39,10 @@ class AttentionBackend(Protocol):
     ) -> None: ...  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor: ...
+
+    def position_keys(self, streams, positions) -> torch.Tensor: ...
+
+    def keyed_uniform(self, keys) -> torch.Tensor: ...
 
 
 class TorchBackend:
@@ -68,6 +73,12 @@ class TorchBackend:
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample_ref(probs, keys)
+
+    def position_keys(self, streams, positions) -> torch.Tensor:
+        return position_keys_ref(streams, positions)
+
+    def keyed_uniform(self, keys) -> torch.Tensor:
+        return keyed_uniform_ref(keys)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

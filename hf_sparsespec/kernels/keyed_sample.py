@@ -16,7 +16,9 @@ of (key, vocabulary index):
 independent noise; the same key always gives the same token.
 
 Triton: one program per row walks the vocabulary in blocks, keeping the running maximum and its
-index (the first index on ties, as `torch.argmax`).
+index (the first index on ties, as `torch.argmax`). `position_keys` and `keyed_uniform` are the two
+hashes a step applies to all its rows at once, each one launch (the torch references take ~50 small
+integer kernels each).
 """
 
 from __future__ import annotations
@@ -119,6 +121,79 @@ def _keyed_sample_kernel(
         best_index = tl.where(take, block_index, best_index)
         best = tl.maximum(best, block_best)
     tl.store(out_ptr + row, best_index)
+
+
+@triton.jit
+def _position_keys_kernel(
+    streams_ptr,  # [n, 2] int32/int64 (hi, lo) stream words
+    positions_ptr,  # [n] int32/int64
+    keys_ptr,  # [n, 2] int64 out
+    n,
+    stride_streams,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = offs.to(tl.int64)
+    hi = tl.load(streams_ptr + row * stride_streams, mask=mask, other=0).to(tl.uint32)  # low 32 bits
+    lo = tl.load(streams_ptr + row * stride_streams + 1, mask=mask, other=0).to(tl.uint32)
+    position = tl.load(positions_ptr + row, mask=mask, other=0).to(tl.uint32)
+    salt = tl.full(position.shape, 0x9E3779B9, tl.uint32)  # _POSITION_SALT
+    tl.store(keys_ptr + row * 2, _hash32(hi ^ position).to(tl.int64), mask=mask)
+    tl.store(keys_ptr + row * 2 + 1, _hash32(lo ^ _hash32(position ^ salt)).to(tl.int64), mask=mask)
+
+
+@triton.jit
+def _keyed_uniform_kernel(
+    keys_ptr,  # [n, 2] int32/int64 (key_hi, key_lo)
+    out_ptr,  # [n] float32
+    n,
+    stride_keys,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = offs.to(tl.int64)
+    key_hi = tl.load(keys_ptr + row * stride_keys, mask=mask, other=0).to(tl.uint32)
+    key_lo = tl.load(keys_ptr + row * stride_keys + 1, mask=mask, other=0).to(tl.uint32)
+    h = _hash32(key_lo ^ _hash32(key_hi))  # index 0
+    tl.store(out_ptr + row, ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0), mask=mask)
+
+
+def _rows_of_pairs(name: str, pairs: torch.Tensor) -> torch.Tensor:
+    """`pairs [..., 2]` int32/int64 as `[n, 2]` with a unit-stride last dimension."""
+    check_tensor(name, pairs, dtypes=(torch.int32, torch.int64), device=pairs.device)
+    if pairs.ndim == 0 or pairs.shape[-1] != 2:
+        raise ValueError(f"{name}: expected a last dimension of 2 (hi, lo), got shape {tuple(pairs.shape)}")
+    rows = pairs.reshape(-1, 2)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def position_keys(streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Triton `position_keys_ref` in one launch: `streams [..., 2]` int32/int64 and `positions`
+    (int32/int64, the shape of `streams[..., 0]`) give `[..., 2]` int64 keys."""
+    flat = _rows_of_pairs("streams", streams)
+    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), device=streams.device,
+                 shape=tuple(streams.shape[:-1]))  # fmt: skip
+    keys = torch.empty(flat.shape, dtype=torch.int64, device=streams.device)
+    n = flat.shape[0]
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _position_keys_kernel[(triton.cdiv(n, block),)](flat, positions.reshape(-1).contiguous(), keys, n,
+                                                         flat.stride(0), BLOCK=block)  # fmt: skip
+    return keys.view(*streams.shape)
+
+
+def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
+    """Triton `keyed_uniform_ref(keys)` (index 0) in one launch: `keys [..., 2]` int32/int64 give the
+    float32 uniforms, shape `keys[..., 0]`."""
+    flat = _rows_of_pairs("keys", keys)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=keys.device)
+    n = flat.shape[0]
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _keyed_uniform_kernel[(triton.cdiv(n, block),)](flat, out, n, flat.stride(0), BLOCK=block)
+    return out.view(*keys.shape[:-1])
 
 
 def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

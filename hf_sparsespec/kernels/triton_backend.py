@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
-from hf_sparsespec.kernels.keyed_sample import keyed_sample
+from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import update_selection
 from hf_sparsespec.kernels.store_kv import store_kv
@@ -51,3 +51,9 @@ class TritonBackend:
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample(probs, keys)
+
+    def position_keys(self, streams, positions) -> torch.Tensor:
+        return position_keys(streams, positions)
+
+    def keyed_uniform(self, keys) -> torch.Tensor:
+        return keyed_uniform(keys)
