@@ -15,8 +15,9 @@ of (key, vocabulary index):
 (`torch.multinomial` draws one sample the same way, with its own noise.) Rows with different keys get
 independent noise; the same key always gives the same token.
 
-Triton: one program per row walks the vocabulary in blocks, keeping the running maximum and its
-index (the first index on ties, as `torch.argmax`). `position_keys` and `keyed_uniform` are the two
+Triton: programs walk a row's vocabulary in blocks, keeping the running maximum and its index (the
+first index on ties, as `torch.argmax`); a row's vocabulary is split over several programs when the
+rows alone would not fill the device, and a second launch folds the splits. `position_keys` and `keyed_uniform` are the two
 hashes a step applies to all its rows at once, each one launch (the torch references take ~50 small
 integer kernels each).
 """
@@ -28,10 +29,12 @@ import triton
 import triton.language as tl
 
 from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
+from hf_sparsespec.kernels.attention_plan import num_sms
 
 _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _POSITION_SALT = 0x9E3779B9
+SAMPLE_PROGRAMS_PER_SM = 8  # keyed_sample splits each row's vocabulary until rows x splits reach this per SM
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -96,21 +99,28 @@ def _hash32(x):
 def _keyed_sample_kernel(
     probs_ptr,  # [num_rows, vocab]
     keys_ptr,  # [num_rows, 2] int32 or int64
-    out_ptr,  # [num_rows] int64
+    out_ptr,  # [num_rows] int64 (one split) or [num_rows, num_splits] int64 (the splits' best indices)
+    best_ptr,  # [num_rows, num_splits] fp32, each split's best score (SPLIT)
     vocab,
+    split_size,  # vocabulary entries per split, a multiple of BLOCK_V
     stride_probs_row,
     stride_keys_row,
     BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
     key_hi = tl.load(keys_ptr + row * stride_keys_row).to(tl.uint32)  # int64 -> low 32 bits
     key_lo = tl.load(keys_ptr + row * stride_keys_row + 1).to(tl.uint32)
     offs = tl.arange(0, BLOCK_V)
     best = tl.full([], -1.0, tl.float32)
     best_index = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, BLOCK_V):
+    first = split * split_size
+    last = tl.minimum(first + split_size, vocab)
+    for start in range(first, last, BLOCK_V):
         index = start + offs
-        mask = index < vocab
+        mask = index < last
         p = tl.load(probs_ptr + row * stride_probs_row + index, mask=mask, other=0.0).to(tl.float32)
         h = _hash32(key_lo ^ _hash32(key_hi ^ index.to(tl.uint32)))
         uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -120,7 +130,28 @@ def _keyed_sample_kernel(
         take = block_best > best  # strictly: earlier blocks win ties
         best_index = tl.where(take, block_index, best_index)
         best = tl.maximum(best, block_best)
-    tl.store(out_ptr + row, best_index)
+    if SPLIT:
+        tl.store(out_ptr + row * num_splits + split, best_index)
+        tl.store(best_ptr + row * num_splits + split, best)
+    else:
+        tl.store(out_ptr + row, best_index)
+
+
+@triton.jit
+def _fold_splits_kernel(
+    best_ptr,  # [num_rows, num_splits] fp32
+    index_ptr,  # [num_rows, num_splits] int64
+    out_ptr,  # [num_rows] int64
+    num_splits,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_S)
+    valid = offs < num_splits
+    best = tl.load(best_ptr + row * num_splits + offs, mask=valid, other=-2.0)
+    index = tl.load(index_ptr + row * num_splits + offs, mask=valid, other=0)
+    first = tl.min(tl.where(best == tl.max(best, axis=0), offs, BLOCK_S), axis=0)  # ties: the earliest split
+    tl.store(out_ptr + row, tl.sum(tl.where(offs == first, index, 0), axis=0))
 
 
 @triton.jit
@@ -199,6 +230,11 @@ def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
 def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Triton `keyed_sample_ref`.
 
+    A few hundred rows would leave most of the GPU idle at one program per row (a draft iteration's
+    rows over a 150K vocabulary), so each row's vocabulary is split over enough programs to fill the
+    device; a second launch keeps each row's best split (the earliest on ties, so the token is the
+    reference's: the first index of the maximum).
+
     Args:
         probs: `[num_rows, vocab]` fp16/bf16/fp32 unnormalised probabilities (>= 0), unit stride over vocab.
         keys: `[num_rows, 2]` int32/int64, each row's key (high word, low word) as bit patterns.
@@ -211,6 +247,28 @@ def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, dtype=torch.long, device=probs.device)
     if num_rows == 0:
         return out
+    probs = probs if probs.stride(1) == 1 else probs.contiguous()
+    keys = keys if keys.stride(1) == 1 else keys.contiguous()
+    block = min(4096, triton.next_power_of_2(vocab))
+    num_blocks = triton.cdiv(vocab, block)
+    wanted = triton.cdiv(SAMPLE_PROGRAMS_PER_SM * num_sms(probs.device), num_rows)
+    split_size = triton.cdiv(num_blocks, max(1, min(num_blocks, wanted))) * block
+    num_splits = triton.cdiv(vocab, split_size)
+    warps = 4 if block >= 1024 else 1
+    if num_splits == 1:
+        _keyed_sample_kernel[(num_rows, 1)](
+            probs, keys, out, out, vocab, split_size, probs.stride(0), keys.stride(0), BLOCK_V=block, SPLIT=False,
+            num_warps=warps,
+        )  # fmt: skip
+        return out
+    best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=probs.device)
+    index = torch.empty(num_rows, num_splits, dtype=torch.long, device=probs.device)
+    _keyed_sample_kernel[(num_rows, num_splits)](
+        probs, keys, index, best, vocab, split_size, probs.stride(0), keys.stride(0), BLOCK_V=block, SPLIT=True,
+        num_warps=warps,
+    )  # fmt: skip
+    _fold_splits_kernel[(num_rows,)](best, index, out, num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+    return out
     probs = probs if probs.stride(1) == 1 else probs.contiguous()
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     block = min(4096, triton.next_power_of_2(vocab))
