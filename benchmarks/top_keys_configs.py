@@ -1,4 +1,4 @@
-"""`select_top_keys_into` under launch configs (keys per block, warps), timed with CUDA-graph-free
+"""`select_top_keys_into` under launch configs (keys per block, warps) and both threshold searches, timed with CUDA-graph-free
 `triton.testing.do_bench` medians on PillarAttn-shaped scores, each checked against the reference.
 
     python benchmarks/top_keys_configs.py
@@ -9,6 +9,7 @@ Shapes: (verification rows, KV heads, old keys, budget) as at 64 and 256 rows of
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 import torch
@@ -23,23 +24,23 @@ SHAPES = [(8, 2, 8192, 410), (29, 2, 4096, 205), (29, 2, 16384, 820), (8, 2, 327
 
 def main() -> None:
     device = torch.device("cuda")
-    print("| rows x heads x keys (budget) | BLOCK | warps | us / launch | equal to the reference |")
-    print("|---|---|---|---|---|")
+    print("| rows x heads x keys (budget) | search | BLOCK | warps | us / launch | equal to the reference |")
+    print("|---|---|---|---|---|---|")
     for rows, heads, keys, budget in SHAPES:
-        scores = torch.rand(rows, heads, keys, device=device)
+        scores = torch.exp(torch.randn(rows, heads, keys, device=device) * 2 - 9)  # spread like probabilities
         num_old = torch.full((rows,), keys, dtype=torch.int32, device=device)
         budgets = torch.full((rows,), budget, dtype=torch.int32, device=device)
         slots = torch.arange(rows, dtype=torch.int32, device=device)
         expected = top_keys.select_top_keys(scores, budgets, budget)
-        for config in CONFIGS:
-            top_keys.LAUNCH["cuda"] = config
+        for search, config in itertools.product(["histogram", "thresholds"], CONFIGS):
+            top_keys.LAUNCH["cuda"], top_keys.SEARCH["cuda"] = config, search
             store = torch.full((rows, heads, budget), -7, dtype=torch.int32, device=device)
             top_keys.select_top_keys_into(scores, num_old, budgets, store, slots)
             equal = torch.equal(store, expected)
             launch = partial(top_keys.select_top_keys_into, scores, num_old, budgets, store, slots)
             us = 1000 * triton.testing.do_bench(launch, return_mode="median")
             print(
-                f"| {rows} x {heads} x {keys} ({budget}) | {config['BLOCK']} | {config['num_warps']} | {us:.1f} | {equal} |"
+                f"| {rows} x {heads} x {keys} ({budget}) | {search} | {config['BLOCK']} | {config['num_warps']} | {us:.1f} | {equal} |"
             )
 
 

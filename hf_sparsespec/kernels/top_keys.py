@@ -9,17 +9,19 @@ coarser key halves the Triton search (4 passes over the keys instead of 8).
 
 `select_top_keys` (reference, shared by every backend: a stable sort of the truncated scores) returns
 them padded with -1. Triton (`select_top_keys_into`): one program per (row, KV head) finds the B-th
-largest truncated score by a 16-way search on the 16-bit patterns (non-negative floats order like
-their bits; 4 passes narrow 2^15 candidates to one), then writes the positions of the top B,
-ascending, straight into the selected-index store at the row's slot: no per-layer topk + sort +
-index_copy_ chain, and a grid that depends only on the shapes.
+largest truncated score (non-negative floats order like their bits), then writes the positions of
+the top B, ascending, straight into the selected-index store at the row's slot: no per-layer topk +
+sort + index_copy_ chain, and a grid that depends only on the shapes. Two searches (`SEARCH`):
+- `"histogram"` (the default): two radix digits of the 15-bit keys, each one sweep with
+  `tl.histogram` (the high 8 bits, i.e. the exponent; then the low 7 among the keys with that high
+  digit): 3 sweeps over the keys with the write.
+- `"thresholds"`: a 16-way search, 4 passes narrowing 2^15 candidates to one, each accumulating its
+  threshold counts elementwise in a [thresholds, BLOCK] register tile: 5 sweeps.
 
 Only (rows x KV heads) programs run (a few dozen: one per verification), so each one's latency is
-the kernel's: a pass accumulates its threshold counts elementwise in a [thresholds, BLOCK] register
-tile and reduces across threads once per pass, not once per key block (on the H200 the per-block
-reductions made this kernel the largest of a SparseSpec iteration at long contexts: 4.0 ms of 10.5
-at 64 rows x 8K, docs/measurements.md 7), and the count of keys above the threshold comes from the
-passes' own counts: 5 sweeps over the keys (4 passes, then the write).
+the kernel's: its sweeps over the keys (per-block cross-thread reductions made this kernel the
+largest of a SparseSpec iteration at long contexts once: 4.0 ms of 10.5 at 64 rows x 8K,
+docs/measurements.md 7). The count of keys above the threshold comes from the searches' own counts.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def select_top_keys(
 # 512 / 8 warps and 106 at 256 / 4; docs/measurements.md 7). The CPU interpreter's cost grows with the
 # block and its contexts are short (the engine tests run this kernel in every verification): 256.
 LAUNCH = {"cuda": dict(BLOCK=1024, num_warps=8), "cpu": dict(BLOCK=256, num_warps=4)}
+# How the threshold is searched: "histogram" (2 radix passes; 3 sweeps over the keys with the write)
+# or "thresholds" (4 passes of 16-way counts; 5 sweeps).
+SEARCH = {"cuda": "histogram", "cpu": "histogram"}
 
 
 @triton.jit
@@ -85,6 +90,7 @@ def _select_top_keys_kernel(
     NUM_THRESHOLDS: tl.constexpr,
     NUM_PASSES: tl.constexpr,
     SHIFT: tl.constexpr,
+    HISTOGRAM: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,7 +102,8 @@ def _select_top_keys_kernel(
     offs = tl.arange(0, BLOCK)
     if budget > 0:
         # Keys are the patterns' top 16 bits (`rank_key`; masked keys load -1.0: negative keys).
-        # Invariant: count(keys >= lo) >= budget > count(keys >= hi) = num_above. +inf's key is
+        # Both searches end with lo = the budget-th largest key and num_above = the keys above it.
+        # The thresholds' invariant: count(keys >= lo) >= budget > count(keys >= hi) = num_above. +inf's key is
         # 0x7F80. Every threshold lies in [0, 0x7F81 + NUM_THRESHOLDS): int32 compares are exact.
         # NUM_PASSES 16-way steps narrow [lo, hi) to one key (hi = lo + 1: 32641 -> 2041 -> 128 -> 8
         # -> 1), so num_above, kept from the pass counts, is then the number of keys strictly above.
@@ -104,7 +111,33 @@ def _select_top_keys_kernel(
         hi = tl.full([1], 0x7F81, tl.int64)
         num_above = tl.zeros([1], tl.int32)
         steps = tl.arange(0, NUM_THRESHOLDS).to(tl.int64)
-        if budget < num_old:
+        if budget < num_old and HISTOGRAM:
+            # two radix digits: a histogram of the keys' high 8 bits (the exponent) finds the digit of
+            # the budget-th largest key, then one of the low 7 bits among the keys with that digit
+            high_bins = tl.arange(0, 256)
+            counts = tl.zeros([256], tl.int32)
+            for start in range(0, num_old, BLOCK):
+                key = start + offs
+                valid = key < num_old
+                bits = tl.load(score_row_ptr + key, mask=valid, other=0.0).to(tl.int32, bitcast=True) >> SHIFT
+                counts += tl.histogram(bits >> 7, 256, mask=valid)
+            # keys at or above each digit: the total less those strictly below
+            at_or_above = num_old - tl.cumsum(counts, axis=0) + counts
+            high = tl.max(tl.where(at_or_above >= budget, high_bins, -1), axis=0)
+            above_high = tl.sum(tl.where(high_bins == high, at_or_above - counts, 0), axis=0)
+            low_bins = tl.arange(0, 128)
+            counts_low = tl.zeros([128], tl.int32)
+            for start in range(0, num_old, BLOCK):
+                key = start + offs
+                valid = key < num_old
+                bits = tl.load(score_row_ptr + key, mask=valid, other=0.0).to(tl.int32, bitcast=True) >> SHIFT
+                counts_low += tl.histogram(bits & 0x7F, 128, mask=valid & ((bits >> 7) == high))
+            need = budget - above_high  # of the keys whose high digit is `high`
+            at_or_above_low = (budget - need + tl.sum(counts_low, axis=0)) - tl.cumsum(counts_low, axis=0) + counts_low
+            low = tl.max(tl.where(at_or_above_low >= budget, low_bins, -1), axis=0)
+            lo = lo + (high * 128 + low).to(tl.int64)
+            num_above = num_above + tl.sum(tl.where(low_bins == low, at_or_above_low - counts_low, 0), axis=0)
+        elif budget < num_old:
             for _ in tl.static_range(NUM_PASSES):
                 step = (hi - lo + NUM_THRESHOLDS - 1) // NUM_THRESHOLDS  # (1,)
                 thresholds = lo + steps * step  # (NUM_THRESHOLDS,)
@@ -170,5 +203,6 @@ def select_top_keys_into(
     _select_top_keys_kernel[(num_rows, num_kv_heads)](
         scores, num_old_keys, budgets, slots, selected,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
-        NUM_THRESHOLDS=16, NUM_PASSES=4, SHIFT=RANK_BITS_DROPPED, **LAUNCH.get(device.type, LAUNCH["cuda"]),
+        NUM_THRESHOLDS=16, NUM_PASSES=4, SHIFT=RANK_BITS_DROPPED,
+        HISTOGRAM=SEARCH.get(device.type, SEARCH["cuda"]) == "histogram", **LAUNCH.get(device.type, LAUNCH["cuda"]),
     )  # fmt: skip

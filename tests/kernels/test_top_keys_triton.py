@@ -1,4 +1,4 @@
-"""select_top_keys_into (Triton) against the reference selection: the same sets on continuous scores
+"""select_top_keys_into (Triton, both threshold searches) against the reference selection: the same sets on continuous scores
 (ranked at bfloat16 precision, so with many ties: both give the lowest positions), a valid top set
 (and the lowest positions) on exact ties, budgets of 0 / all keys / more than the keys, rows
 of no keys, widths across block edges, and writes confined to each row's slot and budget."""
@@ -22,19 +22,30 @@ def _store(num_slots, num_kv_heads, max_budget, device):
     return torch.full((num_slots, num_kv_heads, max_budget), -7, dtype=torch.int32, device=device)
 
 
-@pytest.fixture(params=[dict(BLOCK=256, num_warps=4), dict(BLOCK=1024, num_warps=8)], ids=["block256", "block1024"])
+@pytest.fixture(
+    params=[(256, "histogram"), (1024, "histogram"), (256, "thresholds"), (1024, "thresholds")],
+    ids=["block256-histogram", "block1024-histogram", "block256-thresholds", "block1024-thresholds"],
+)
 def launch(request, device, monkeypatch):
-    """Both the interpreter's and the GPU's launch config, on any device."""
-    monkeypatch.setitem(top_keys.LAUNCH, device.type, request.param)
-    return request.param
+    """Both the interpreter's and the GPU's launch config, and both threshold searches, on any device."""
+    block, search = request.param
+    config = dict(BLOCK=block, num_warps=4 if block == 256 else 8)
+    monkeypatch.setitem(top_keys.LAUNCH, device.type, config)
+    monkeypatch.setitem(top_keys.SEARCH, device.type, search)
+    return config
 
 
+@pytest.mark.parametrize("spread", ["uniform", "lognormal"])
 @pytest.mark.parametrize("num_kv_heads", [1, 3])
-def test_matches_reference_on_continuous_scores(device, num_kv_heads, launch):
+def test_matches_reference_on_continuous_scores(device, num_kv_heads, spread, launch):
+    """Uniform scores share a few exponents (the histogram's high digit); log-normal ones, like
+    attention probabilities, span dozens of them."""
     num_old = [n for n, _ in ROWS]
     budgets = [b for _, b in ROWS]
     width, max_budget = max(num_old) + 3, 260
     scores = torch.rand(len(ROWS), num_kv_heads, width, device=device)  # >= 0; ties at bf16 precision
+    if spread == "lognormal":
+        scores = torch.exp(torch.randn(len(ROWS), num_kv_heads, width, device=device) * 8 - 10)
     slots = torch.randperm(len(ROWS) + 3, device=device)[: len(ROWS)]
     store = _store(len(ROWS) + 3, num_kv_heads, max_budget, device)
     select_top_keys_into(scores, i32(num_old, device), i32(budgets, device), store, slots)
