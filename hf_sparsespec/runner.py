@@ -346,17 +346,21 @@ class ModelRunner:
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
         logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
-        rows = LogitsRows(
-            slot=f["logits_slot"].long(),
-            prefix_len=prefix_len,
-            params=f["logits_params"].long(),
-            host=batch.host_rows if batch is not None else None,
-        )
-        scores = self.pipeline(logits, self.token_buffer, rows)
         v, d = shape.num_verify_rows, shape.num_draft_rows
         # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
-        probs = torch.softmax(scores, dim=-1) if self.do_sample else None
+        temperature = self.pipeline.temperature_only
+        if self.do_sample and temperature is not None:  # one pass from the model's logits to the probabilities
+            scores, probs = None, self.backend.tempered_softmax(logits, temperature)
+        else:
+            rows = LogitsRows(
+                slot=f["logits_slot"].long(),
+                prefix_len=prefix_len,
+                params=f["logits_params"].long(),
+                host=batch.host_rows if batch is not None else None,
+            )
+            scores = self.pipeline(logits.float(), self.token_buffer, rows)
+            probs = torch.softmax(scores, dim=-1) if self.do_sample else None
         keys = self.backend.position_keys(f["logits_stream"], prefix_len)
         if self.do_sample:
             tokens = self.backend.keyed_sample(probs[v * spec :], keys[v * spec :])
@@ -476,7 +480,7 @@ class ModelRunner:
         logits = logits[0]
         if not self.logits_to_keep:
             logits = logits[logits_index]
-        return logits.float()  # [num_logits, vocab]
+        return logits  # [num_logits, vocab], the model's dtype
 
 
 def _bucket_of(shape: StepShape) -> Bucket:

@@ -153,6 +153,17 @@ class LogitsPipeline:
             if not (kind in ("min_length", "repetition") or (kind == "row" and isinstance(p, GRAPH_SAFE_PROCESSORS)))
         ]
 
+    @property
+    def temperature_only(self) -> float | None:
+        """The temperature when the pipeline only divides by it (transformers' `TemperatureLogitsWarper`
+        alone; 1.0 for no processor at all), so that sampling may fuse it into the softmax
+        (`kernels.tempered_softmax`); None otherwise."""
+        if not self.steps:
+            return 1.0
+        if len(self.steps) == 1 and type(self.steps[0][0]) is lp.TemperatureLogitsWarper:
+            return float(self.steps[0][0].temperature)
+        return None
+
     def request_params(self, request) -> tuple[int, ...]:
         """Per-request integers of the vectorised processors: the history length below which a
         min-length processor bans eos, the prompt length the repetition penalty ignores."""

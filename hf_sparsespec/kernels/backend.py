@@ -7,7 +7,8 @@ with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `u
 (PillarAttn: score the verification rows' keys and write each row's top keys into the selected-index
 store; with `offsets`, also each row's moved-key offsets), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
-acceptance tests' uniforms). The Triton calls never read device memory back (CUDA-graph safe).
+acceptance tests' uniforms), and `tempered_softmax` (the sampling distributions when temperature is
+the only logits processor). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_r
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import update_selection_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
+from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref
 
 
 class AttentionBackend(Protocol):
@@ -43,6 +45,8 @@ class AttentionBackend(Protocol):
     def position_keys(self, streams, positions) -> torch.Tensor: ...
 
     def keyed_uniform(self, keys) -> torch.Tensor: ...
+
+    def tempered_softmax(self, logits, temperature) -> torch.Tensor: ...
 
 
 class TorchBackend:
@@ -79,6 +83,9 @@ class TorchBackend:
 
     def keyed_uniform(self, keys) -> torch.Tensor:
         return keyed_uniform_ref(keys)
+
+    def tempered_softmax(self, logits, temperature) -> torch.Tensor:
+        return tempered_softmax_ref(logits, temperature)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

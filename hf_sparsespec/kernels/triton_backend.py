@@ -16,6 +16,7 @@ from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, posi
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import update_selection
 from hf_sparsespec.kernels.store_kv import store_kv
+from hf_sparsespec.kernels.tempered_softmax import tempered_softmax
 
 
 class TritonBackend:
@@ -57,3 +58,6 @@ class TritonBackend:
 
     def keyed_uniform(self, keys) -> torch.Tensor:
         return keyed_uniform(keys)
+
+    def tempered_softmax(self, logits, temperature) -> torch.Tensor:
+        return tempered_softmax(logits, temperature)
