@@ -66,10 +66,11 @@ def select_top_keys(
 
 
 # Keys per block of the sweeps and warps per program, by device type. CUDA: the fastest of
-# `benchmarks/top_keys_configs.py` on the H200 (49 us per launch at 8 x 2 x 8K keys, against 58 at
-# 512 / 8 warps and 106 at 256 / 4; docs/measurements.md 7). The CPU interpreter's cost grows with the
-# block and its contexts are short (the engine tests run this kernel in every verification): 256.
-LAUNCH = {"cuda": dict(BLOCK=1024, num_warps=8), "cpu": dict(BLOCK=256, num_warps=4)}
+# `benchmarks/top_keys_configs.py` on the H200 with the histogram search (26.5 us per launch at
+# 8 x 2 x 8K keys, against 28.0 at 1024 / 8 warps and 57.0 at 256 / 4; the 16-way search took 33.8
+# at 1024 / 8; docs/measurements.md 15). The CPU interpreter's cost grows with the block and its
+# contexts are short (the engine tests run this kernel in every verification): 256.
+LAUNCH = {"cuda": dict(BLOCK=2048, num_warps=16), "cpu": dict(BLOCK=256, num_warps=4)}
 # How the threshold is searched: "histogram" (2 radix passes; 3 sweeps over the keys with the write)
 # or "thresholds" (4 passes of 16-way counts; 5 sweeps).
 SEARCH = {"cuda": "histogram", "cpu": "histogram"}

@@ -12,7 +12,7 @@ from kernel_cases import i32, poison_outputs  # noqa: F401
 from hf_sparsespec.kernels import top_keys
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 
-# (num_old_keys, budget) per row: block edges (256 and 1024, the two launch configs; 512), all keys, more than
+# (num_old_keys, budget) per row: block edges (256, 1024 and 2048, the launch configs; 512), all keys, more than
 # all, none, one.
 ROWS = [(700, 35), (256, 17), (257, 257), (90, 200), (0, 5), (1, 1), (513, 0), (40, 39), (512, 259), (1025, 240),
         (2049, 255)]  # fmt: skip
@@ -23,13 +23,13 @@ def _store(num_slots, num_kv_heads, max_budget, device):
 
 
 @pytest.fixture(
-    params=[(256, "histogram"), (1024, "histogram"), (256, "thresholds"), (1024, "thresholds")],
-    ids=["block256-histogram", "block1024-histogram", "block256-thresholds", "block1024-thresholds"],
+    params=[(256, "histogram"), (2048, "histogram"), (256, "thresholds"), (1024, "thresholds")],
+    ids=["block256-histogram", "block2048-histogram", "block256-thresholds", "block1024-thresholds"],
 )
 def launch(request, device, monkeypatch):
     """Both the interpreter's and the GPU's launch config, and both threshold searches, on any device."""
     block, search = request.param
-    config = dict(BLOCK=block, num_warps=4 if block == 256 else 8)
+    config = dict(BLOCK=block, num_warps={256: 4, 1024: 8, 2048: 16}[block])
     monkeypatch.setitem(top_keys.LAUNCH, device.type, config)
     monkeypatch.setitem(top_keys.SEARCH, device.type, search)
     return config
