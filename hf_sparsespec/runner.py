@@ -376,7 +376,8 @@ class ModelRunner:
                 targets = scores[: v * spec].argmax(dim=-1).view(v, spec)
                 accepted, next_token = accept_greedy(draft_tokens, num_drafts, targets)
             else:
-                draft_probs = self._draft_probs(f["draft_prob_row"].long(), v, probs)
+                draft_rows = f["draft_prob_row"].long().view(v, self.k)
+                draft_probs = self.draft_probs if self.draft_probs is not None else probs.new_zeros((0, probs.shape[1]))
                 target_keys = keys[: v * spec].view(v, spec, 2)
                 verify_rows = torch.arange(v, device=self.device)
 
@@ -384,7 +385,8 @@ class ModelRunner:
                     return self.backend.keyed_sample(residual, target_keys[verify_rows, accepted])
 
                 accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
-                                                      draft_probs, self.backend.keyed_uniform(f["accept_key"]), sample)  # fmt: skip
+                                                      draft_probs, self.backend.keyed_uniform(f["accept_key"]), sample,
+                                                      draft_rows)  # fmt: skip
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
@@ -414,11 +416,6 @@ class ModelRunner:
         self.token_buffer.view(-1)[write_index] = draft_tokens
         if draft_probs is not None and self.draft_probs is not None:
             self.draft_probs[prob_index] = draft_probs
-
-    def _draft_probs(self, rows: torch.Tensor, num_verify: int, probs: torch.Tensor) -> torch.Tensor:
-        if self.draft_probs is None:  # k = 0: nothing was drafted
-            return probs.new_zeros((num_verify, 0, probs.shape[1]))
-        return self.draft_probs[rows].view(num_verify, self.k, -1)
 
     def _plan(self, shape: StepShape, f: dict) -> AttentionPlan | None:
         if shape.plan is None:

@@ -309,25 +309,33 @@ def accept_sampled(
     draft_tokens: torch.Tensor,  # [num_rows, k] int64
     num_drafts: torch.Tensor,  # [num_rows] int64
     target_probs: torch.Tensor,  # [num_rows, k + 1, vocab] float32 (rows past m + 1 unused)
-    draft_probs: torch.Tensor,  # [num_rows, k, vocab] float32 (rows past m unused)
+    draft_probs: torch.Tensor,  # [num_rows, k, vocab] float32 (rows past m unused), or a store (draft_rows)
     uniform: torch.Tensor | None = None,  # [num_rows, k] float32 in (0, 1); None: torch.rand
     sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    draft_rows: torch.Tensor | None = None,  # [num_rows, k] int64 rows of a store `draft_probs [N, vocab]`
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling: `(accepted [num_rows], next_token [num_rows])`; the committed
     tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling.
 
     `uniform` are the acceptance tests' draws; `sample(probs [num_rows, vocab], accepted [num_rows])`
     draws the recovered or bonus token (at draft index `accepted`); by default both come from torch's
-    generator (`sample_from`)."""
+    generator (`sample_from`). With `draft_rows`, the draft distributions are read where they are
+    kept (the engine's store): only the drafted tokens' probabilities and the one row each
+    rejection needs, not a copy of every row."""
     num_rows, k = draft_tokens.shape
     device = draft_tokens.device
     sample = sample if sample is not None else (lambda probs, accepted: sample_from(probs))
     if k == 0:  # autoregressive rows: sample the one target distribution
         accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
         return accepted, sample(target_probs[:, 0], accepted)
+    if draft_rows is None:
+        store = draft_probs.reshape(num_rows * k, -1)
+        draft_rows = torch.arange(num_rows * k, device=device).view(num_rows, k)
+    else:
+        store = draft_probs
     valid = torch.arange(k, device=device)[None, :] < num_drafts[:, None]
     p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
-    q = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
+    q = store[draft_rows, draft_tokens]
     if uniform is None:
         uniform = torch.rand(p.shape, device=device, dtype=p.dtype)
     keep = (uniform * q < p) & valid  # accept with probability min(1, p / q)
@@ -335,7 +343,7 @@ def accept_sampled(
     rows = torch.arange(num_rows, device=device)
     p_next = target_probs[rows, accepted]  # [num_rows, vocab]
     rejected = accepted < num_drafts
-    q_next = draft_probs[rows, accepted.clamp(max=k - 1)] * rejected[:, None]
+    q_next = store[draft_rows[rows, accepted.clamp(max=k - 1)]] * rejected[:, None]
     residual = (p_next - q_next).clamp(min=0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_next)
     return accepted, sample(residual, accepted)

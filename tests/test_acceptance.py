@@ -53,6 +53,27 @@ def test_sampled_is_deterministic_under_a_seed():
         assert torch.equal(accepted, runs[0][0]) and torch.equal(next_token, runs[0][1])
 
 
+def test_sampled_reads_a_store_of_draft_rows_as_the_dense_drafts():
+    """The engine's form: draft distributions left in a larger store, found through `draft_rows`."""
+    generator = torch.Generator().manual_seed(1)
+    target = torch.rand(16, 5, 11, generator=generator).pow(4).softmax(-1)
+    draft = torch.rand(16, 4, 11, generator=generator).pow(4).softmax(-1)
+    drafts = torch.multinomial(draft.view(-1, 11), 1, generator=generator).view(16, 4)
+    uniform = torch.rand(16, 4, generator=generator)
+    num_drafts = torch.randint(0, 5, (16,), generator=generator)
+    rows = torch.randperm(100, generator=generator)[:64].view(16, 4)
+    store = torch.rand(100, 11, generator=generator)
+    store[rows.flatten()] = draft.view(-1, 11)
+
+    def first_token(probs, accepted):
+        return probs.argmax(-1)
+
+    dense = accept_sampled(drafts, num_drafts, target, draft, uniform, first_token)
+    stored = accept_sampled(drafts, num_drafts, target, store, uniform, first_token, draft_rows=rows)
+    assert torch.equal(dense[0], stored[0]) and torch.equal(dense[1], stored[1])
+    assert 0 < (dense[0] < num_drafts).sum() < 16  # rejections (the store's residual rows) and full accepts
+
+
 def goodness_of_fit(counts, probs) -> float:
     probs = probs.double().numpy()
     expected = probs / probs.sum() * counts.sum()
