@@ -87,6 +87,33 @@ def test_sampling_with_graphs_is_seeded_and_accepts_drafts(selection, runners):
 
 
 @pytest.mark.parametrize("k", [0, 4])
+def test_temperature_only_sampling_fuses_the_softmax(k, runners, monkeypatch):
+    """Temperature alone: the probabilities come from the fused kernel (`tempered_softmax`), and the
+    keyed draws give the tokens of the unfused pipeline (processor, then torch.softmax)."""
+    from hf_sparsespec.kernels.triton_backend import TritonBackend
+    from hf_sparsespec.sampling import LogitsPipeline
+
+    calls = []
+    fused = TritonBackend.tempered_softmax
+    monkeypatch.setattr(TritonBackend, "tempered_softmax", lambda self, *a: calls.append(1) or fused(self, *a))
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
+    config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
+    sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
+    torch.manual_seed(7)
+    out = _generate(model, ids, mask, config, **sample)
+    assert calls
+    monkeypatch.setattr(LogitsPipeline, "temperature_only", property(lambda self: None))
+    torch.manual_seed(7)
+    unfused = _generate(model, ids, mask, config, **sample)
+    assert torch.equal(out.sequences, unfused.sequences)
+    if k:
+        total = out.sparsespec_stats.total
+        assert 0 < total.accepted_drafts < total.drafted_tokens
+    assert all(r.counters.graph_replays > 0 for r in runners)
+
+
+@pytest.mark.parametrize("k", [0, 4])
 def test_compiled_forward_with_graphs_equals_plain_generate(k, runners):
     """`compile_forward=True` on the GPU: inductor's kernels inside the captured iterations; float32,
     so greedy must match plain `generate` token for token (ties aside)."""
