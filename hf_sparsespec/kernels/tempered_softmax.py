@@ -27,7 +27,7 @@ from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
 from hf_sparsespec.kernels.attention_plan import num_sms
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def tempered_softmax_ref(logits: torch.Tensor, temperature: float) -> torch.Tensor:
