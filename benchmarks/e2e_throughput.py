@@ -63,7 +63,7 @@ import torch
 import transformers
 import triton
 from loading import add_model_arguments, load_model
-from prompts import left_pad, mixed_prompts, reasoning_prompts
+from prompts import ensure_prompt_files, left_pad, mixed_prompts, reasoning_prompts
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_sparsespec
@@ -358,6 +358,8 @@ def main() -> None:
     if args.requests < args.batch:
         parser.error(f"--requests ({args.requests}) must be at least --batch ({args.batch})")
 
+    if args.gguf is not None:
+        ensure_prompt_files(args.prompts)
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device == "cuda" else torch.float32
     model, tokenizer = load_model(args, dtype, args.device)

