@@ -340,6 +340,9 @@ def main() -> None:
     parser.add_argument("--plain-tail-rows", type=int, default=64,
                         help="plain_tail_rows of the runs named <run>_tail (e.g. pillar_tail)")
     parser.add_argument("--temperature", type=float, default=0.65)
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="top-k of the sampling (0: off; Qwen's own generation configs use 20)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling (1.0: off)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
@@ -375,8 +378,8 @@ def main() -> None:
         name += f" (KV heads x{args.repeat_kv_heads}: {model.config.num_key_value_heads})"
     print(f"loaded {name} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts", flush=True)
     n = args.new_tokens
-    sampling = dict(do_sample=False) if args.greedy else dict(do_sample=True, temperature=args.temperature, top_k=0,
-                                                               top_p=1.0)  # fmt: skip
+    sampling = dict(do_sample=False) if args.greedy else dict(do_sample=True, temperature=args.temperature,
+                                                               top_k=args.top_k, top_p=args.top_p)  # fmt: skip
     forced = dict(min_new_tokens=n) if args.stop == "forced" else {}
     settings = dict(**sampling, max_new_tokens=n, **forced, eos_token_id=eos, pad_token_id=pad)
     gen_config = GenerationConfig(**settings)
@@ -434,6 +437,8 @@ def main() -> None:
     hf = runs.get("hf_static", {}).get("tokens_per_s")
     ar = runs.get("ar", {}).get("tokens_per_s")
     decoding = "greedy" if args.greedy else f"T={args.temperature}"
+    if not args.greedy and (args.top_k or args.top_p < 1.0):
+        decoding += f", top-k {args.top_k or 'off'}, top-p {args.top_p}"
     print(f"\n{name}, batch {args.batch} x {n} new tokens ({args.stop}), {str(dtype)[6:]}, {decoding}, "
           f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
           f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
