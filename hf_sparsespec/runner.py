@@ -349,16 +349,17 @@ class ModelRunner:
         v, d = shape.num_verify_rows, shape.num_draft_rows
         # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
-        temperature = self.pipeline.temperature_only
+        rows = LogitsRows(
+            slot=f["logits_slot"].long(),
+            prefix_len=prefix_len,
+            params=f["logits_params"].long(),
+            host=batch.host_rows if batch is not None else None,
+        )
+        temperature = self.pipeline.fused_temperature
         if self.do_sample and temperature is not None:  # one pass from the model's logits to the probabilities
+            logits = self.pipeline.ban_eos_in_place(logits, rows)
             scores, probs = None, self.backend.tempered_softmax(logits, temperature)
         else:
-            rows = LogitsRows(
-                slot=f["logits_slot"].long(),
-                prefix_len=prefix_len,
-                params=f["logits_params"].long(),
-                host=batch.host_rows if batch is not None else None,
-            )
             scores = self.pipeline(logits.float(), self.token_buffer, rows)
             probs = torch.softmax(scores, dim=-1) if self.do_sample else None
         keys = self.backend.position_keys(f["logits_stream"], prefix_len)

@@ -154,15 +154,29 @@ class LogitsPipeline:
         ]
 
     @property
-    def temperature_only(self) -> float | None:
-        """The temperature when the pipeline only divides by it (transformers' `TemperatureLogitsWarper`
-        alone; 1.0 for no processor at all), so that sampling may fuse it into the softmax
-        (`kernels.tempered_softmax`); None otherwise."""
-        if not self.steps:
-            return 1.0
-        if len(self.steps) == 1 and type(self.steps[0][0]) is lp.TemperatureLogitsWarper:
-            return float(self.steps[0][0].temperature)
-        return None
+    def fused_temperature(self) -> float | None:
+        """The temperature when sampling may fuse the pipeline into its softmax (`kernels.tempered_softmax`):
+        at most one `TemperatureLogitsWarper` (1.0 without one) besides min-length processors, which only
+        ban eos and run first, in place on the model's logits (`ban_eos_in_place`: a ban commutes with
+        the division); None for any other processor."""
+        temperatures = [p for p, _ in self.steps if type(p) is lp.TemperatureLogitsWarper]
+        others = [kind for p, kind in self.steps if type(p) is not lp.TemperatureLogitsWarper]
+        if len(temperatures) > 1 or any(kind != "min_length" for kind in others):
+            return None
+        return float(temperatures[0].temperature) if temperatures else 1.0
+
+    def ban_eos_in_place(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+        """The min-length steps alone, in place on `logits [num_logits, vocab]` (any float dtype)."""
+        for index, (_, kind) in enumerate(self.steps):
+            if kind == "min_length":
+                logits.index_copy_(1, *self._eos_ban(index, logits, rows))
+        return logits
+
+    def _eos_ban(self, index: int, scores: torch.Tensor, rows: LogitsRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(eos columns, their new values): -inf in the rows still below the step's minimum length."""
+        banned = rows.prefix_len < rows.params[self.param_index[index]]  # [num_logits]
+        eos = self._eos_ids(index, scores.device)
+        return eos, scores[:, eos].masked_fill(banned[:, None], float("-inf"))
 
     def request_params(self, request) -> tuple[int, ...]:
         """Per-request integers of the vectorised processors: the history length below which a
@@ -188,9 +202,7 @@ class LogitsPipeline:
             if kind == "row":
                 scores = processor(empty, scores)
             elif kind == "min_length":  # only the eos columns change: touch only them
-                banned = rows.prefix_len < rows.params[self.param_index[index]]  # [num_logits]
-                eos = self._eos_ids(index, scores.device)
-                scores = scores.index_copy(1, eos, scores[:, eos].masked_fill(banned[:, None], float("-inf")))
+                scores = scores.index_copy(1, *self._eos_ban(index, scores, rows))
             elif kind == "repetition":
                 scores = _repetition_penalty(processor.penalty, scores, token_buffer, rows, rows.params[self.param_index[index]])
             else:

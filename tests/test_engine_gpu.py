@@ -86,10 +86,12 @@ def test_sampling_with_graphs_is_seeded_and_accepts_drafts(selection, runners):
     assert all(r.counters.graph_replays > 0 for r in runners)
 
 
+@pytest.mark.parametrize("min_new_tokens", [None, 30])
 @pytest.mark.parametrize("k", [0, 4])
-def test_temperature_only_sampling_fuses_the_softmax(k, runners, monkeypatch):
-    """Temperature alone: the probabilities come from the fused kernel (`tempered_softmax`), and the
-    keyed draws give the tokens of the unfused pipeline (processor, then torch.softmax)."""
+def test_temperature_only_sampling_fuses_the_softmax(k, min_new_tokens, runners, monkeypatch):
+    """Temperature alone (and the min-length ban of eos): the probabilities come from the fused kernel
+    (`tempered_softmax`), and the keyed draws give the tokens of the unfused pipeline (processors,
+    then torch.softmax)."""
     from hf_sparsespec.kernels.triton_backend import TritonBackend
     from hf_sparsespec.sampling import LogitsPipeline
 
@@ -99,11 +101,11 @@ def test_temperature_only_sampling_fuses_the_softmax(k, runners, monkeypatch):
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
-    sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
+    sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, min_new_tokens=min_new_tokens)
     torch.manual_seed(7)
     out = _generate(model, ids, mask, config, **sample)
     assert calls
-    monkeypatch.setattr(LogitsPipeline, "temperature_only", property(lambda self: None))
+    monkeypatch.setattr(LogitsPipeline, "fused_temperature", property(lambda self: None))
     torch.manual_seed(7)
     unfused = _generate(model, ids, mask, config, **sample)
     assert torch.equal(out.sequences, unfused.sequences)

@@ -127,3 +127,26 @@ def test_unified_scheduler_balances_verifications_naive_runs_lockstep():
     unified, naive = schedule_trace("unified"), schedule_trace("naive")
     assert max(unified) - min(unified) <= 2, unified
     assert max(naive) == 18 and min(naive) == 0, naive
+
+
+def test_fused_sampling_path_draws_the_pipelines_tokens(monkeypatch):
+    """Temperature with a min-length ban of eos, no top-k: the engine bans eos on the model's logits and
+    takes `tempered_softmax`, and draws exactly the tokens of the processors-then-softmax path; eos
+    never comes before the minimum."""
+    from hf_sparsespec.sampling import LogitsPipeline
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (4, 6), generator=torch.Generator().manual_seed(5))
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=3, page_size=4)
+    sample = dict(do_sample=True, temperature=0.8, top_k=0, top_p=1.0, min_new_tokens=12, max_new_tokens=24,
+                  eos_token_id=7, generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
+    calls = []
+    fused = LogitsPipeline.ban_eos_in_place
+    monkeypatch.setattr(LogitsPipeline, "ban_eos_in_place", lambda self, *a: calls.append(1) or fused(self, *a))
+    torch.manual_seed(3)
+    out = model.generate(input_ids=ids, **sample)
+    assert calls
+    monkeypatch.setattr(LogitsPipeline, "fused_temperature", property(lambda self: None))
+    torch.manual_seed(3)
+    assert torch.equal(model.generate(input_ids=ids, **sample), out)
+    assert (out[:, 6:18] != 7).all()

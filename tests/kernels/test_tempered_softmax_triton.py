@@ -1,7 +1,7 @@
 """tempered_softmax (Triton) against `softmax(logits.float() / T)` (float32): rows fewer and more than
 the device's programs (split and unsplit vocabularies), vocabularies across block edges, masked
-tokens (-inf) including a whole split of them, half-precision logits, strided rows; and the
-pipeline's test of when the engine may use it."""
+tokens (-inf) including a whole split of them, half-precision logits, strided rows; the pipeline's
+test of when the engine may use it, and the fused path against the processors then softmax."""
 
 from __future__ import annotations
 
@@ -50,8 +50,32 @@ def test_strided_rows_and_split_settings(device, monkeypatch):
         tempered_softmax(view, 0.0)
 
 
-def test_pipeline_fuses_only_a_lone_temperature():
-    assert LogitsPipeline([]).temperature_only == 1.0
-    assert LogitsPipeline([lp.TemperatureLogitsWarper(0.6)]).temperature_only == 0.6
-    assert LogitsPipeline([lp.TemperatureLogitsWarper(0.6), lp.TopKLogitsWarper(20)]).temperature_only is None
-    assert LogitsPipeline([lp.TopPLogitsWarper(0.9)]).temperature_only is None
+def test_pipeline_fuses_temperature_and_min_length_bans_only():
+    min_new = lp.MinNewTokensLengthLogitsProcessor(5, 30, eos_token_id=[2, 7])
+    assert LogitsPipeline([]).fused_temperature == 1.0
+    assert LogitsPipeline([lp.TemperatureLogitsWarper(0.6)]).fused_temperature == 0.6
+    assert LogitsPipeline([min_new, lp.TemperatureLogitsWarper(0.6)]).fused_temperature == 0.6
+    assert LogitsPipeline([lp.MinLengthLogitsProcessor(9, eos_token_id=2)]).fused_temperature == 1.0
+    assert LogitsPipeline([lp.TemperatureLogitsWarper(0.6), lp.TopKLogitsWarper(20)]).fused_temperature is None
+    assert LogitsPipeline([lp.TopPLogitsWarper(0.9)]).fused_temperature is None
+    two = [lp.TemperatureLogitsWarper(0.6), lp.TemperatureLogitsWarper(0.5)]
+    assert LogitsPipeline(two).fused_temperature is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_path_equals_the_pipeline_then_softmax(dtype):
+    """The engine's two paths on the same logits: eos banned in place on the model's logits, then
+    `tempered_softmax_ref`, against transformers' processors on float32 scores, then `torch.softmax`.
+    Rows below their minimum length (`prefix_len < params`) lose both eos tokens; the others keep them."""
+    from hf_sparsespec.sampling import LogitsRows
+
+    min_new = lp.MinNewTokensLengthLogitsProcessor(5, 30, eos_token_id=[2, 7])
+    pipeline = LogitsPipeline([min_new, lp.TemperatureLogitsWarper(0.6)])
+    logits = (torch.randn(6, 50, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    rows = LogitsRows(slot=torch.arange(6), prefix_len=torch.tensor([3, 40, 12, 29, 30, 31]),
+                      params=torch.full((1, 6), 30))  # fmt: skip
+    expected = torch.softmax(pipeline(logits.float(), torch.zeros(6, 64, dtype=torch.long), rows), dim=-1)
+    fused = tempered_softmax_ref(pipeline.ban_eos_in_place(logits.clone(), rows), pipeline.fused_temperature)
+    assert torch.equal(fused, expected)
+    banned = torch.tensor([True, False, True, True, False, False])
+    assert (fused[banned][:, [2, 7]] == 0).all() and (fused[~banned][:, [2, 7]] > 0).all()
