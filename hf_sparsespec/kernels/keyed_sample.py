@@ -227,6 +227,16 @@ def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
     return out.view(*keys.shape[:-1])
 
 
+def vocabulary_splits(num_rows: int, vocab: int, programs_per_sm: int, device: torch.device) -> tuple[int, int, int]:
+    """`(block, split_size, num_splits)` of a row-wise pass over `[num_rows, vocab]`: each row's vocabulary
+    in splits of whole blocks, as many as bring rows x splits to `programs_per_sm` per SM (0: one split)."""
+    block = min(4096, triton.next_power_of_2(vocab))
+    num_blocks = triton.cdiv(vocab, block)
+    wanted = triton.cdiv(programs_per_sm * num_sms(device), num_rows)
+    split_size = triton.cdiv(num_blocks, max(1, min(num_blocks, wanted))) * block
+    return block, split_size, triton.cdiv(vocab, split_size)
+
+
 def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Triton `keyed_sample_ref`.
 
@@ -249,11 +259,7 @@ def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return out
     probs = probs if probs.stride(1) == 1 else probs.contiguous()
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
-    block = min(4096, triton.next_power_of_2(vocab))
-    num_blocks = triton.cdiv(vocab, block)
-    wanted = triton.cdiv(SAMPLE_PROGRAMS_PER_SM * num_sms(probs.device), num_rows)
-    split_size = triton.cdiv(num_blocks, max(1, min(num_blocks, wanted))) * block
-    num_splits = triton.cdiv(vocab, split_size)
+    block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SAMPLE_PROGRAMS_PER_SM, probs.device)
     warps = 4 if block >= 1024 else 1
     if num_splits == 1:
         _keyed_sample_kernel[(num_rows, 1)](
@@ -268,11 +274,4 @@ def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         num_warps=warps,
     )  # fmt: skip
     _fold_splits_kernel[(num_rows,)](best, index, out, num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
-    return out
-    probs = probs if probs.stride(1) == 1 else probs.contiguous()
-    keys = keys if keys.stride(1) == 1 else keys.contiguous()
-    block = min(4096, triton.next_power_of_2(vocab))
-    _keyed_sample_kernel[(num_rows,)](
-        probs, keys, out, vocab, probs.stride(0), keys.stride(0), BLOCK_V=block, num_warps=4 if block >= 1024 else 1,
-    )  # fmt: skip
     return out

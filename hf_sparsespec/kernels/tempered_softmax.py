@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
-from hf_sparsespec.kernels.attention_plan import num_sms
+from hf_sparsespec.kernels.keyed_sample import vocabulary_splits
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -122,11 +122,7 @@ def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if num_rows == 0 or vocab == 0:
         return probs
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    block = min(4096, triton.next_power_of_2(vocab))
-    num_blocks = triton.cdiv(vocab, block)
-    wanted = triton.cdiv(SOFTMAX_PROGRAMS_PER_SM * num_sms(logits.device), num_rows)
-    split_size = triton.cdiv(num_blocks, max(1, min(num_blocks, wanted))) * block
-    num_splits = triton.cdiv(vocab, split_size)
+    block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)
     maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxima)
     warps = 4 if block >= 1024 else 1
