@@ -133,8 +133,8 @@ def _select_top_keys_kernel(
                 valid = key < num_old
                 bits = tl.load(score_row_ptr + key, mask=valid, other=0.0).to(tl.int32, bitcast=True) >> SHIFT
                 counts_low += tl.histogram(bits & 0x7F, 128, mask=valid & ((bits >> 7) == high))
-            need = budget - above_high  # of the keys whose high digit is `high`
-            at_or_above_low = (budget - need + tl.sum(counts_low, axis=0)) - tl.cumsum(counts_low, axis=0) + counts_low
+            # keys at or above (high, each low digit): those above `high`, then that digit's own suffix
+            at_or_above_low = above_high + tl.sum(counts_low, axis=0) - tl.cumsum(counts_low, axis=0) + counts_low
             low = tl.max(tl.where(at_or_above_low >= budget, low_bins, -1), axis=0)
             lo = lo + (high * 128 + low).to(tl.int64)
             num_above = num_above + tl.sum(tl.where(low_bins == low, at_or_above_low - counts_low, 0), axis=0)
