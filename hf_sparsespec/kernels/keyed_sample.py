@@ -17,9 +17,9 @@ independent noise; the same key always gives the same token.
 
 Triton: programs walk a row's vocabulary in blocks, keeping the running maximum and its index (the
 first index on ties, as `torch.argmax`); a row's vocabulary is split over several programs when the
-rows alone would not fill the device, and a second launch folds the splits. `position_keys` and `keyed_uniform` are the two
-hashes a step applies to all its rows at once, each one launch (the torch references take ~50 small
-integer kernels each).
+rows alone would not fill the device, and a second launch folds the splits. `position_keys` and
+`keyed_uniform` are the two hashes a step applies to all its rows at once, each one launch (the torch
+references take ~50 small integer kernels each).
 """
 
 from __future__ import annotations
