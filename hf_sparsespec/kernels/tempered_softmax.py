@@ -1,8 +1,8 @@
 """tempered_softmax: the sampling distributions of an iteration's logits rows, `softmax(logits / T)`
 in float32, straight from the model's logits (bf16 on the GPU).
 
-Why: sampling with temperature alone (transformers' `TemperatureLogitsWarper`, the common case) went
-through three full passes over `[rows, vocab]` float32 (the float copy of the logits, the division, the
+Why: sampling with temperature alone (transformers' `TemperatureLogitsWarper`; min-length processors
+allowed, `LogitsPipeline.fused_temperature`) went through three full passes over `[rows, vocab]` float32 (the float copy of the logits, the division, the
 softmax): ~0.67 ms of an 8 ms SparseSpec iteration at 256 requests (500 logits rows x 152K vocabulary,
 docs/measurements.md 15). Here they are one read of the logits for the row statistics and one read
 plus the write of the probabilities.
