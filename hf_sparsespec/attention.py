@@ -4,9 +4,9 @@ Modeling code calls it once per layer with the step's queries; the keys/values o
 already written into the pages by `SparseSpecCache.update`. It reads everything else from the
 `sparsespec_step` forward kwarg: prefill and verification rows attend fully and causally, draft rows
 attend to their PillarAttn selection (plus, for `"diagonal"` and `"induction"`, their moved keys)
-plus their recent window, and verification rows refresh the selection (and, for `"diagonal"`, the
-moved-key offsets) of their request for this layer from the exact attention probabilities they just
-computed.
+plus their recent window, and verification rows score this layer's keys by the exact attention
+probabilities they just computed (and, for `"diagonal"`, their most attended keys). The runner turns
+every layer's scores into the new selections (and moved-key offsets) after the forward, in one launch.
 
 The matching mask function returns None: the attention derives all masking from the step metadata,
 and a dense `[num_tokens, kv_len]` mask of a packed batch would cost quadratic memory.
@@ -71,17 +71,17 @@ def sparsespec_attention(
             step.backend.name, moved_store,
         )  # fmt: skip
         if score:
-            ops.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, store, layer_idx,
-                                 step.verify_slots, step.scores, scale, step.spec_len, step.backend.name,
-                                 moved_store if step.verify_moves else None, step.best, step.verify_moves)  # fmt: skip
+            ops.score_verification(q, layer.keys, *verify, lse, step.num_old_keys, step.scores, layer_idx,
+                                   step.verify_slots, scale, step.spec_len, step.backend.name,
+                                   moved_store if step.verify_moves else None, step.best, step.verify_moves)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip
     if score:
-        step.backend.update_selection(q, layer.keys, *verify, lse, step.num_old_keys, step.budgets, selected,
-                                      step.verify_slots, step.scores, scale, step.spec_len,
-                                      offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,
-                                      best=step.best)  # fmt: skip
+        step.backend.score_verification(q, layer.keys, *verify, lse, step.num_old_keys, step.scores[layer_idx], scale,
+                                        step.verify_slots, step.spec_len,
+                                        offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,
+                                        best=step.best[layer_idx] if step.best is not None else None)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

@@ -25,7 +25,7 @@ import torch
 from hf_sparsespec.attention import ATTENTION_NAME, use_attention
 from hf_sparsespec.batch import BatchBuilder, DevicePageTable, StepShape
 from hf_sparsespec.cache.paged_cache import SparseSpecCache
-from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SparseSpecConfig
+from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS, SparseSpecConfig
 from hf_sparsespec.kernels.attention_plan import MAX_BLOCK_M, PlanCapacity, target_items
 from hf_sparsespec.kernels.backend import get_backend
 from hf_sparsespec.kv_manager import KVManager
@@ -158,7 +158,11 @@ class Engine:
             free = free_device_memory(self.device)
             page_bytes = 2 * geometry.num_layers * config.page_size * geometry.num_kv_heads * geometry.head_dim
             page_bytes *= geometry.dtype.itemsize
-            num_pages = max(1, min(needed, int(free * config.gpu_memory_fraction) // page_bytes))
+            # the runner's verification scores (every layer's, `ModelRunner.scores`) come out of the pool's share
+            scored = config.selection in SCORED_SELECTIONS and self.k > 0
+            scores_bytes = 4 * geometry.num_layers * num_slots * geometry.num_kv_heads * history_width if scored else 0
+            share = int(free * config.gpu_memory_fraction) - scores_bytes
+            num_pages = max(1, min(needed, share // page_bytes))
             if tp_group is not None:  # one pool size for the group: admission and offloads must agree
                 import torch.distributed as dist
 

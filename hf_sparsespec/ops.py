@@ -3,7 +3,7 @@
 `torch.compile` fuses the modeling code's elementwise work (norms, rotary embeddings, activations,
 residuals: most of an iteration's ~40 kernels per layer), but must not trace into the Triton wrappers
 (host-side checks, Python planning objects). Wrapped as custom ops, `store_kv`, `mixed_attention` and
-`update_selection` are opaque calls in the compiled graph: tensors in and out, the backend named by a
+`score_verification` are opaque calls in the compiled graph: tensors in and out, the backend named by a
 string, shapes of the outputs given by fake implementations. The eager path calls the backends
 directly (no dispatch cost); `SparseSpecConfig(compile_forward=True)` routes through these.
 """
@@ -66,26 +66,26 @@ def _(query, k_cache, v_cache, page_table, query_start, context_lens, num_full_r
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("hf_sparsespec::update_selection", mutates_args=("selected", "scores", "moved_offsets", "best"))
-def update_selection(
+@torch.library.custom_op("hf_sparsespec::score_verification", mutates_args=("scores", "moved_offsets", "best"))
+def score_verification(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
-    lse: torch.Tensor, num_old_keys: torch.Tensor, budgets: torch.Tensor, selected: torch.Tensor, layer: int,
-    slots: torch.Tensor, scores: torch.Tensor | None, scale: float, max_queries: int, backend: str,
-    moved_offsets: torch.Tensor | None, best: torch.Tensor | None, num_moves: int,
+    lse: torch.Tensor, num_old_keys: torch.Tensor, scores: torch.Tensor, layer: int, slots: torch.Tensor,
+    scale: float, max_queries: int, backend: str, moved_offsets: torch.Tensor | None, best: torch.Tensor | None,
+    num_moves: int,
 ) -> None:  # fmt: skip
-    """Writes `selected[layer]` (and the first `num_moves` entries of `moved_offsets[layer]`, the
-    diagonal selection's; `best` is its workspace); the whole stores are the mutated arguments: a
-    compiled graph loses mutations of a view of a tensor it did not receive as an input. The optional
-    mutated arguments have no defaults:
-    torch 2.10-2.11 drop arguments equal to their defaults and then fail to find them
-    (IndexError, pytorch/pytorch#176078)."""
-    _backend(backend, query.device).update_selection(
-        query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected[layer], slots, scores, scale,
-        max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None, best=best,
+    """Writes `scores[layer]` (and, for the diagonal selection, `best[layer]` on Triton or the first
+    `num_moves` entries of `moved_offsets[layer]` on the reference); the whole stores are the mutated
+    arguments: a compiled graph loses mutations of a view of a tensor it did not receive as an input.
+    The optional mutated arguments have no defaults: torch 2.10-2.11 drop arguments equal to their
+    defaults and then fail to find them (IndexError, pytorch/pytorch#176078)."""
+    _backend(backend, query.device).score_verification(
+        query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer], scale, slots, max_queries,
+        offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
+        best=best[layer] if best is not None else None,
     )
 
 
-@update_selection.register_fake
-def _(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, layer, slots, scores, scale,
-      max_queries, backend, moved_offsets, best, num_moves):  # fmt: skip
+@score_verification.register_fake
+def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, backend,
+      moved_offsets, best, num_moves):  # fmt: skip
     return None

@@ -124,23 +124,24 @@ class ModelRunner:
         self.results = torch.zeros(num_results, dtype=torch.long, device=device)
         self.result_ring = [torch.zeros(num_results, dtype=torch.long, pin_memory=pinned) for _ in range(3)]
         self.ring_index = 0
-        self.scores = None
         self.part_out = self.part_lse = None
         if backend.needs_plan:
             num_q_heads, head_dim, part_rows = cache.num_kv_heads * group, cache.head_dim, largest.plan.num_part_rows
             self.part_out = torch.empty((part_rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
             self.part_lse = torch.empty((part_rows, num_q_heads), dtype=torch.float32, device=device)
-            if self.scores_verify_rows:
-                shape = (largest.num_verify_rows, cache.num_kv_heads, history_width)
-                self.scores = torch.empty(shape, dtype=torch.float32, device=device)
+        # every layer's verification scores, selected from after the forward in one launch
+        self.scores = None
+        if self.scores_verify_rows:
+            shape = (cache.num_layers, largest.num_verify_rows, cache.num_kv_heads, history_width)
+            self.scores = torch.empty(shape, dtype=torch.float32, device=device)
         # who writes the moved-key store: the verifications its first (k + 1) x group entries ("diagonal",
         # "induction_diagonal"), the induction lookup before each iteration's drafts the rest
         has_store = cache.moved_offsets is not None
         self.verify_moves = (k + 1) * group if selection in DIAGONAL_SELECTIONS and has_store else 0
         self.induction = selection in INDUCTION_SELECTIONS and has_store
-        self.best = None  # the diagonal moves' workspace (Triton): zeros, and zeroed again after each use
+        self.best = None  # the diagonal moves' workspace (Triton), per layer: zeros, and zeroed again after each use
         if backend.needs_plan and self.verify_moves:
-            shape = (largest.num_verify_rows, cache.num_kv_heads, self.verify_moves)
+            shape = (cache.num_layers, largest.num_verify_rows, cache.num_kv_heads, self.verify_moves)
             self.best = torch.zeros(shape, dtype=torch.int64, device=device)
         self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
         self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, StepViews]] = {}
@@ -335,9 +336,9 @@ class ModelRunner:
             num_old_keys=f["num_old_keys"],
             budgets=f["budget"],
             verify_slots=f["verify_slot"].long(),
-            scores=self.scores[: shape.num_verify_rows] if self.scores is not None else None,
+            scores=self.scores[:, : shape.num_verify_rows] if self.scores is not None else None,
             score_verify_rows=self.scores_verify_rows,
-            best=self.best[: shape.num_verify_rows] if self.best is not None else None,
+            best=self.best[:, : shape.num_verify_rows] if self.best is not None else None,
             verify_moves=self.verify_moves,
             max_context=self.max_context,
             compiled=compiled,
@@ -347,6 +348,10 @@ class ModelRunner:
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
         logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
         v, d = shape.num_verify_rows, shape.num_draft_rows
+        if v and self.scores_verify_rows:  # the verifications' new selections, every layer at once
+            moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
+            self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
+                                              step.verify_slots, moves, step.best, self.group)  # fmt: skip
         # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         rows = LogitsRows(

@@ -42,10 +42,10 @@ class StepBatch:
     num_old_keys: torch.Tensor  # [num_verify_rows] int32, keys older than each verification block
     budgets: torch.Tensor  # [num_verify_rows] int32, keys PillarAttn keeps per (layer, KV head)
     verify_slots: torch.Tensor  # [num_verify_rows] int64, slots whose selection the rows rewrite
-    scores: torch.Tensor | None  # [num_verify_rows, num_kv_heads, max_context] fp32 workspace
-    score_verify_rows: bool  # PillarAttn (and "diagonal") selects inside the verification attention
+    scores: torch.Tensor | None  # [num_layers, num_verify_rows, num_kv_heads, width] fp32 workspace
+    score_verify_rows: bool  # PillarAttn (and "diagonal") scores keys inside the verification attention
     # --- the "diagonal" moved keys (None otherwise) ---
-    best: torch.Tensor | None  # [num_verify_rows, num_kv_heads, verify_moves] int64 workspace, zeros between layers
+    best: torch.Tensor | None  # [num_layers, num_verify_rows, num_kv_heads, verify_moves] int64 (Triton), zeros between steps
     max_context: int  # the longest context any request of the engine reaches (sliding-window guard)
     attention_calls: int = field(default=0)
     compiled: bool = False  # inside a torch.compile'd forward: call the ops through `hf_sparsespec.ops`

@@ -319,7 +319,7 @@ def test_kernel_argument_strides_keep_their_divisibility_whatever_the_lengths(ma
         engine, _ = _build_engine(model, prompts, config, pad=True, max_new_tokens=max_new_tokens)
     runner = engine.runner
     strides = [runner.page_table.stride(0), runner.token_buffer.stride(0), engine.cache.selected.stride(2)]
-    strides += [runner.scores.stride(0), runner.scores.stride(1)]
+    strides += [runner.scores.stride(0), runner.scores.stride(1), runner.scores.stride(2)]
     assert all(stride % 16 == 0 for stride in strides), strides
 
 

@@ -3,9 +3,11 @@
 `TorchBackend` runs the float32 references (the CPU backend and the oracle); `TritonBackend` runs
 the Triton kernels (CUDA, or the CPU interpreter under `TRITON_INTERPRET=1`). Both expose the same
 per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` when `needs_plan`;
-with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `update_selection`
-(PillarAttn: score the verification rows' keys and write each row's top keys into the selected-index
-store; with `offsets`, also each row's moved-key offsets), and the sampler's `keyed_sample` (one token per row from keyed
+with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `score_verification`
+(PillarAttn: score the verification rows' keys into the layer's plane of the scores workspace), then
+once per step `select_verified_keys` (every layer's top keys into the selected-index store; for
+`"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
+reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
 acceptance tests' uniforms), and `tempered_softmax` (the sampling distributions when temperature is
 the only logits processor). The Triton calls never read device memory back (CUDA-graph safe).
@@ -19,7 +21,7 @@ import torch
 
 from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
-from hf_sparsespec.kernels.pillar_select import update_selection_ref
+from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref
 
@@ -35,9 +37,13 @@ class AttentionBackend(Protocol):
         recent_start, selected, selection_slot, num_selected, scale, plan=None, offsets=None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
-    def update_selection(
-        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+    def score_verification(
+        self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
         max_queries=None, offsets=None, best=None,
+    ) -> None: ...  # fmt: skip
+
+    def select_verified_keys(
+        self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
     ) -> None: ...  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor: ...
@@ -67,13 +73,19 @@ class TorchBackend:
             recent_start, selected, selection_slot, num_selected, scale, offsets,
         )  # fmt: skip
 
-    def update_selection(
-        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+    def score_verification(
+        self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
         max_queries=None, offsets=None, best=None,
     ) -> None:  # fmt: skip
-        """`best` (the Triton workspace) is unused here."""
-        update_selection_ref(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots,
-                             scores, scale, offsets)  # fmt: skip
+        """The moved-key offsets go straight into `offsets[slots]` (`best`, the Triton workspace, is unused)."""
+        score_verification_ref(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
+                               offsets)  # fmt: skip
+
+    def select_verified_keys(
+        self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
+    ) -> None:  # fmt: skip
+        """`offsets` were written while scoring."""
+        select_verified_keys_ref(scores, num_old_keys, budgets, selected, slots)
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample_ref(probs, keys)

@@ -12,7 +12,8 @@ list holds `j - p`, or `NO_OFFSET` where the row has no query `i` or no old key.
 scoring pass (`pillar_select._pillar_scores_kernel` with `TRACK_BEST`) folds each (query, head)'s
 best key into the int64 workspace `best` by an atomic max of `(probability bits << 32) | (2^31 - 1 -
 key)` (probabilities are >= 0, so their bits order like the values); `store_moved_offsets` then turns
-the workspace into offsets at each row's slot and zeroes it for the next layer.
+the workspace into offsets at each row's slot and zeroes it for the next use (the engine keeps one
+workspace per layer and stores every layer's offsets in one launch after the forward).
 
 Draft side (`sparse_attention`): a draft query at position `q` also attends `q + offset` for every
 entry with `0 <= q + offset < recent_start` (later keys are in the recent window anyway), except an
@@ -85,13 +86,15 @@ def moved_positions_ref(
 
 @triton.jit
 def _store_moved_offsets_kernel(
-    best_ptr,  # [num_rows, num_kv_heads, num_entries] int64, packed (probability bits, key); 0: none
+    best_ptr,  # [num_layers, num_rows, num_kv_heads, num_entries] int64, packed (probability bits, key); 0: none
     num_old_keys_ptr,  # [num_rows] int32
     slots_ptr,  # [num_rows] int32 or int64
-    offsets_ptr,  # [num_slots, num_kv_heads, num_entries] int32
+    offsets_ptr,  # [num_layers, num_slots, num_kv_heads, num_entries] int32
     num_entries,
+    stride_best_layer,
     stride_best_row,
     stride_best_head,
+    stride_off_layer,
     stride_off_slot,
     stride_off_head,
     GROUP: tl.constexpr,
@@ -99,10 +102,11 @@ def _store_moved_offsets_kernel(
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
     num_old = tl.load(num_old_keys_ptr + row)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    best_row_ptr = best_ptr + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
-    off_row_ptr = offsets_ptr + slot * stride_off_slot + kv_head * stride_off_head
+    best_row_ptr = best_ptr + layer * stride_best_layer + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
+    off_row_ptr = offsets_ptr + layer * stride_off_layer + slot * stride_off_slot + kv_head * stride_off_head
     for start in range(0, num_entries, BLOCK):
         entry = start + tl.arange(0, BLOCK)
         valid = entry < num_entries
@@ -110,30 +114,34 @@ def _store_moved_offsets_kernel(
         key = 0x7FFFFFFF - (packed & 0xFFFFFFFF)
         offset = tl.where(packed > 0, key - (num_old + entry // GROUP), -(2**30))
         tl.store(off_row_ptr + entry, offset.to(tl.int32), mask=valid)
-        tl.store(best_row_ptr + entry, tl.zeros([BLOCK], tl.int64), mask=valid)  # ready for the next layer
+        tl.store(best_row_ptr + entry, tl.zeros([BLOCK], tl.int64), mask=valid)  # ready for the next use
 
 
 def store_moved_offsets(
-    best: torch.Tensor,  # [num_rows, num_kv_heads, num_entries] int64 workspace
+    best: torch.Tensor,  # [(num_layers,) num_rows, num_kv_heads, num_entries] int64 workspace
     num_old_keys: torch.Tensor,  # [num_rows] int32
-    offsets: torch.Tensor,  # [num_slots, num_kv_heads, num_entries] int32, written in place
+    offsets: torch.Tensor,  # [(num_layers,) num_slots, num_kv_heads, num_entries] int32, written in place
     slots: torch.Tensor,  # [num_rows] int32/int64
     group: int,
 ) -> None:
     """Triton: `offsets[slots[r]]` from the scoring pass's packed best keys of row r (`NO_OFFSET` where
-    none), then `best` back to zeros. Grid `(num_rows, num_kv_heads)`: shapes only."""
+    none), then `best` back to zeros. With a leading layer dimension on `best` and `offsets`, every
+    layer at once. Grid `(num_rows, num_kv_heads, num_layers)`: shapes only."""
     device = best.device
-    check_tensor("best", best, ndim=3, dtypes=(torch.int64,), device=device)
-    num_rows, num_kv_heads, num_entries = best.shape
+    if best.ndim == 3:
+        best, offsets = best[None], offsets[None]
+    check_tensor("best", best, ndim=4, dtypes=(torch.int64,), device=device)
+    num_layers, num_rows, num_kv_heads, num_entries = best.shape
     check_tensor("num_old_keys", num_old_keys, dtypes=INDEX, device=device, shape=(num_rows,))
-    check_tensor("offsets", offsets, ndim=3, dtypes=(torch.int32,), device=device, shape=(None, num_kv_heads, num_entries))
+    check_tensor("offsets", offsets, ndim=4, dtypes=(torch.int32,), device=device,
+                 shape=(num_layers, None, num_kv_heads, num_entries))  # fmt: skip
     check_tensor("slots", slots, dtypes=(torch.int32, torch.int64), device=device, shape=(num_rows,))
     if best.stride(-1) != 1 or offsets.stride(-1) != 1:
         raise ValueError("best and offsets: expected unit-stride last dimensions")
-    if num_rows == 0 or num_entries == 0:
+    if num_rows == 0 or num_entries == 0 or num_layers == 0:
         return
-    _store_moved_offsets_kernel[(num_rows, num_kv_heads)](
+    _store_moved_offsets_kernel[(num_rows, num_kv_heads, num_layers)](
         best, num_old_keys, slots, offsets, num_entries,
-        best.stride(0), best.stride(1), offsets.stride(0), offsets.stride(1),
+        best.stride(0), best.stride(1), best.stride(2), offsets.stride(0), offsets.stride(1), offsets.stride(2),
         GROUP=group, BLOCK=min(128, triton.next_power_of_2(num_entries)), num_warps=1,
     )  # fmt: skip

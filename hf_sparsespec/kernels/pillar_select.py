@@ -16,6 +16,13 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   `tl.dot` tile, so each K block is read once and reduced over all of the tile's rows in registers.
 - `select_top_keys_into` (`top_keys.py`): the top B of each (row, KV head), straight into the
   selected-index store.
+
+The engine splits the refresh in two (`score_verification` / `select_verified_keys`): each layer's
+attention scores into that layer's plane of a `[num_layers, rows, KV heads, width]` workspace, and
+after the forward one launch selects every layer's keys (and one stores every layer's moved keys).
+A top-B program's latency is its sweeps over a row's keys, and one layer has only rows x KV heads
+of them (58 at 256 requests): 28 such launches in a row cost 0.84 ms per iteration at 8K contexts
+(docs/measurements.md 12, before the histogram search); one launch of all layers' programs fills the GPU.
 - `"diagonal"` selection (`moved_keys.py`): the same scoring pass also keeps each (query, head)'s most
   attended old key (`TRACK_BEST`), and `store_moved_offsets` writes them as offsets into their store.
   A program keeps a running best over all its keys (a plain max per key block; the position search
@@ -346,6 +353,83 @@ def update_selection(
     select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
     if offsets is not None:
         store_moved_offsets(best, num_old_keys, offsets, slots, query.shape[1] // k_cache.shape[2])
+
+
+def score_verification(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    lse: torch.Tensor,
+    num_old_keys: torch.Tensor,
+    scores: torch.Tensor,
+    scale: float,
+    max_queries: int | None = None,
+    best: torch.Tensor | None = None,
+) -> None:
+    """One layer's half of the engine's refresh on Triton: that layer's scores into `scores [num_rows,
+    num_kv_heads, width]` (and, with `best`, its best keys per (query, head)), for
+    `select_verified_keys` after the forward. No host syncs."""
+    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries, best)
+
+
+def select_verified_keys(
+    scores: torch.Tensor,  # [num_layers, num_rows, num_kv_heads, width] fp32
+    num_old_keys: torch.Tensor,  # [num_rows] int32
+    budgets: torch.Tensor,  # [num_rows] int32
+    selected: torch.Tensor,  # [num_layers, num_slots, num_kv_heads, max_budget] int32
+    slots: torch.Tensor,  # [num_rows] int64
+    offsets: torch.Tensor | None = None,  # [num_layers, num_slots, num_kv_heads, num_entries] int32
+    best: torch.Tensor | None = None,  # [num_layers, num_rows, num_kv_heads, num_entries] int64
+    group: int = 1,
+) -> None:
+    """The other half on Triton: every layer's top keys into `selected[:, slots]` in one launch and,
+    for `"diagonal"`, every layer's moved-key offsets into `offsets[:, slots]` from `best` (left
+    zeroed) in another."""
+    if (offsets is None) != (best is None):
+        raise ValueError("offsets and best: expected both (the diagonal selection) or neither")
+    select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
+    if offsets is not None:
+        store_moved_offsets(best, num_old_keys, offsets, slots, group)
+
+
+def score_verification_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    lse: torch.Tensor,
+    num_old_keys: torch.Tensor,
+    scores: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+) -> None:
+    """Reference of `score_verification` (the CPU backend): `pillar_scores_ref` into `scores [num_rows,
+    num_kv_heads, width]` (-inf from `num_old_keys[r]` on) and, given, `moved_offsets_ref`'s rows
+    straight into `offsets[slots]` (the reference has no best-key workspace to carry them)."""
+    scores.copy_(pillar_scores_ref(query, k_cache, page_table, query_start, lse, num_old_keys, scores.shape[2], scale))
+    if offsets is not None:
+        moved = moved_offsets_ref(query, k_cache, page_table, query_start, num_old_keys, offsets.shape[2], scale)
+        offsets.index_copy_(0, slots.long(), moved)
+
+
+def select_verified_keys_ref(
+    scores: torch.Tensor,  # [num_layers, num_rows, num_kv_heads, width] fp32
+    num_old_keys: torch.Tensor,
+    budgets: torch.Tensor,
+    selected: torch.Tensor,  # [num_layers, num_slots, num_kv_heads, max_budget] int32
+    slots: torch.Tensor,
+) -> None:
+    """Reference of `select_verified_keys`: each layer's `select_top_keys` rows into `selected[layer,
+    slots]` (-1 padded); keys from `num_old_keys[r]` on are never selected, whatever the workspace
+    holds there."""
+    width = scores.shape[-1]
+    stale = torch.arange(width, device=scores.device)[None, None, :] >= num_old_keys.to(scores.device)[:, None, None]
+    budgets = torch.minimum(budgets, num_old_keys)
+    for layer in range(scores.shape[0]):
+        rows = select_top_keys(scores[layer].masked_fill(stale, float("-inf")), budgets, selected.shape[-1])
+        selected[layer].index_copy_(0, slots.long(), rows)
 
 
 def update_selection_ref(

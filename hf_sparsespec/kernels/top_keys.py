@@ -78,13 +78,15 @@ SEARCH = {"cuda": "histogram", "cpu": "histogram"}
 
 @triton.jit
 def _select_top_keys_kernel(
-    scores_ptr,  # [num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys[row]
+    scores_ptr,  # [num_layers, num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys[row]
     num_old_keys_ptr,  # [num_rows] int32
     budgets_ptr,  # [num_rows] int32
     slots_ptr,  # [num_rows] int32 or int64, slot of `selected` each row writes
-    selected_ptr,  # [num_slots, num_kv_heads, max_budget] int32
+    selected_ptr,  # [num_layers, num_slots, num_kv_heads, max_budget] int32
+    stride_scores_layer,
     stride_scores_row,
     stride_scores_head,
+    stride_sel_layer,
     stride_sel_slot,
     stride_sel_head,
     BLOCK: tl.constexpr,
@@ -95,11 +97,13 @@ def _select_top_keys_kernel(
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)
     num_old = tl.load(num_old_keys_ptr + row)
     budget = tl.minimum(tl.load(budgets_ptr + row), num_old)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
-    sel_row_ptr = selected_ptr + slot * stride_sel_slot + kv_head * stride_sel_head
+    score_row_ptr = scores_ptr + layer * stride_scores_layer + row.to(tl.int64) * stride_scores_row
+    score_row_ptr += kv_head * stride_scores_head
+    sel_row_ptr = selected_ptr + layer * stride_sel_layer + slot * stride_sel_slot + kv_head * stride_sel_head
     offs = tl.arange(0, BLOCK)
     if budget > 0:
         # Keys are the patterns' top 16 bits (`rank_key`; masked keys load -1.0: negative keys).
@@ -181,29 +185,35 @@ def _select_top_keys_kernel(
 
 
 def select_top_keys_into(
-    scores: torch.Tensor,  # [num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys
+    scores: torch.Tensor,  # [(num_layers,) num_rows, num_kv_heads, width] fp32, >= 0 at j < num_old_keys
     num_old_keys: torch.Tensor,  # [num_rows] int32
     budgets: torch.Tensor,  # [num_rows] int32
-    selected: torch.Tensor,  # [num_slots, num_kv_heads, max_budget] int32, written in place
+    selected: torch.Tensor,  # [(num_layers,) num_slots, num_kv_heads, max_budget] int32, written in place
     slots: torch.Tensor,  # [num_rows] int32/int64, the slot each row writes
 ) -> None:
     """Triton: the `min(budgets[r], num_old_keys[r])` best keys of row r, per KV head (by `rank_key`,
     ties to the lowest positions), as ascending positions into `selected[slots[r], h, :budget]`
-    (entries past the budget are left as they were). The same sets as `select_top_keys`."""
+    (entries past the budget are left as they were). The same sets as `select_top_keys`.
+
+    With a leading layer dimension on both `scores` and `selected`, every layer's selection in one
+    launch (grid `(rows, KV heads, layers)`): the engine scores each layer inside the forward and
+    selects them all after it, instead of 28 launches of a few dozen programs each."""
     device = scores.device
-    check_tensor("scores", scores, ndim=3, dtypes=(torch.float32,), device=device)
-    num_rows, num_kv_heads, _ = scores.shape
+    if scores.ndim == 3:
+        scores, selected = scores[None], selected[None]
+    check_tensor("scores", scores, ndim=4, dtypes=(torch.float32,), device=device)
+    num_layers, num_rows, num_kv_heads, _ = scores.shape
     check_tensor("num_old_keys", num_old_keys, dtypes=INDEX, device=device, shape=(num_rows,))
     check_tensor("budgets", budgets, dtypes=INDEX, device=device, shape=(num_rows,))
-    check_tensor("selected", selected, ndim=3, dtypes=INDEX, device=device, shape=(None, num_kv_heads, None))
+    check_tensor("selected", selected, ndim=4, dtypes=INDEX, device=device, shape=(num_layers, None, num_kv_heads, None))
     check_tensor("slots", slots, dtypes=(torch.int32, torch.int64), device=device, shape=(num_rows,))
     if scores.stride(-1) != 1 or selected.stride(-1) != 1:
         raise ValueError("scores and selected: expected unit-stride last dimensions")
-    if num_rows == 0:
+    if num_rows == 0 or num_layers == 0:
         return
-    _select_top_keys_kernel[(num_rows, num_kv_heads)](
+    _select_top_keys_kernel[(num_rows, num_kv_heads, num_layers)](
         scores, num_old_keys, budgets, slots, selected,
-        scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1),
+        scores.stride(0), scores.stride(1), scores.stride(2), selected.stride(0), selected.stride(1), selected.stride(2),
         NUM_THRESHOLDS=16, NUM_PASSES=4, SHIFT=RANK_BITS_DROPPED,
         HISTOGRAM=SEARCH.get(device.type, SEARCH["cuda"]) == "histogram", **LAUNCH.get(device.type, LAUNCH["cuda"]),
     )  # fmt: skip

@@ -2,8 +2,9 @@
 interpreter under `TRITON_INTERPRET=1`).
 
 Per layer: `store_kv`, `mixed_attention(..., plan=p)` (one launch over the step's work list plus one
-merge launch) and, for verification rows, `update_selection` (scores, then the top keys straight into
-the selected-index store, and with `offsets` the moved-key offsets). Grids come from the shapes and the plan's capacity, never from lengths
+merge launch) and, for verification rows, `score_verification` (the layer's scores, and for the
+diagonal selection its best keys); after the forward, `select_verified_keys` (every layer's top keys
+straight into the selected-index store in one launch, and the moved-key offsets in another). Grids come from the shapes and the plan's capacity, never from lengths
 read back from the device, so a step can be captured in a CUDA graph.
 """
 
@@ -14,7 +15,7 @@ import torch
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
 from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
-from hf_sparsespec.kernels.pillar_select import update_selection
+from hf_sparsespec.kernels.pillar_select import score_verification, select_verified_keys
 from hf_sparsespec.kernels.store_kv import store_kv
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax
 
@@ -37,18 +38,18 @@ class TritonBackend:
             recent_start, selected, selection_slot, num_selected, scale, plan=plan, offsets=offsets,
         )  # fmt: skip
 
-    def update_selection(
-        self, query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores, scale,
+    def score_verification(
+        self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
         max_queries=None, offsets=None, best=None,
     ) -> None:  # fmt: skip
-        num_rows = page_table.shape[0]
-        if scores is None:
-            width = int(num_old_keys.max()) if num_old_keys.numel() else 0  # a sync: tests and one-off calls
-            scores = torch.empty((num_rows, k_cache.shape[2], width), dtype=torch.float32, device=query.device)
-        if offsets is not None and best is None:  # tests and one-off calls; the engine passes its workspace
-            best = torch.zeros((num_rows, *offsets.shape[1:]), dtype=torch.int64, device=query.device)
-        update_selection(query, k_cache, page_table, query_start, lse, num_old_keys, budgets, selected, slots, scores,
-                         scale, max_queries, offsets, best)  # fmt: skip
+        """`offsets` are written by `select_verified_keys`, from `best`."""
+        score_verification(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
+                           best)  # fmt: skip
+
+    def select_verified_keys(
+        self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
+    ) -> None:  # fmt: skip
+        select_verified_keys(scores, num_old_keys, budgets, selected, slots, offsets, best, group)
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample(probs, keys)

@@ -133,8 +133,12 @@ def test_triton_backend_matches_torch_backend(device):
     )  # fmt: skip
     slots = torch.tensor([3, 0, 4], device=device)
     stores = [torch.full((5, 2, 24), -7, dtype=torch.int32, device=device) for _ in range(2)]
-    triton_backend.update_selection(*verify_args, stores[0], slots, None, args[-1])
-    torch_backend.update_selection(*verify_args, stores[1], slots, None, args[-1])
+    for backend, store in ((triton_backend, stores[0]), (torch_backend, stores[1])):  # as the engine: score, then select
+        scores = torch.zeros((2, 3, 2, 96), dtype=torch.float32, device=device)  # two layers' planes, the second used
+        backend.score_verification(*verify_args[:6], scores[1], args[-1], slots)
+        layers = torch.stack([torch.full_like(store, -7), store])
+        backend.select_verified_keys(scores, verify_args[5], verify_args[6], layers, slots)
+        store.copy_(layers[1])
     for slot, budget in ((3, 17), (0, 5)):
         assert torch.equal(stores[0][slot, :, :budget], stores[1][slot, :, :budget])
     assert (stores[0][[1, 2, 4]] == -7).all()

@@ -75,8 +75,10 @@ def _clear_best(query, k_cache, page_table, query_start, num_old, num_entries, s
 @pytest.mark.parametrize("case", list(VERIFY_CASES))
 @pytest.mark.parametrize("page_size, group, head_dim", [(1, 1, 16), (16, 3, 32), (16, 6, 64)])
 def test_moved_offsets_match_reference(device, dtype, case, page_size, group, head_dim):
-    """update_selection with an offsets store: each row's offsets land at its slot, rows of other slots
-    are untouched, the workspace is left zeroed, and a padding row (no queries) writes NO_OFFSET."""
+    """The engine's refresh with an offsets store (`score_verification` per layer, then
+    `select_verified_keys` for all layers): each row's offsets land at its slot in its layer, rows of
+    other slots are untouched, the workspace is left zeroed, and a padding row (no queries) writes
+    NO_OFFSET."""
     context_lens, q_lens = VERIFY_CASES[case]
     query, k_cache, page_table, query_start, lse, num_old, scale = _verify_rows(
         device, dtype, page_size, group, head_dim, context_lens, q_lens
@@ -92,14 +94,19 @@ def test_moved_offsets_match_reference(device, dtype, case, page_size, group, he
     assert (expected[2] == NO_OFFSET).all()
     stores = []
     for backend in (TritonBackend(), TorchBackend()):
-        selected = torch.full((5, 2, 8), -1, dtype=torch.int32, device=device)
-        offsets = torch.full((5, 2, num_entries), -7, dtype=torch.int32, device=device)
-        best = torch.zeros((3, 2, num_entries), dtype=torch.int64, device=device) if backend.needs_plan else None
-        backend.update_selection(query, k_cache, page_table, query_start, lse, num_old, budgets, selected, slots,
-                                 None, scale, max(q_lens), offsets=offsets, best=best)  # fmt: skip
+        layers = 2  # the scored layer is the second; the first layer's stores must stay untouched
+        selected = torch.full((layers, 5, 2, 8), -1, dtype=torch.int32, device=device)
+        offsets = torch.full((layers, 5, 2, num_entries), -7, dtype=torch.int32, device=device)
+        best = torch.zeros((layers, 3, 2, num_entries), dtype=torch.int64, device=device) if backend.needs_plan else None
+        scores = torch.zeros((layers, 3, 2, int(num_old.max())), dtype=torch.float32, device=device)
+        backend.score_verification(query, k_cache, page_table, query_start, lse, num_old, scores[1], scale, slots,
+                                   max(q_lens), offsets=offsets[1], best=best[1] if best is not None else None)  # fmt: skip
+        backend.select_verified_keys(scores, num_old, budgets, selected, slots, offsets if best is not None else None,
+                                     best, group)  # fmt: skip
         if best is not None:
             assert (best == 0).all()
-        stores.append(offsets)
+        assert (offsets[0] == NO_OFFSET)[slots.long()].all() if best is not None else (offsets[0] == -7).all()
+        stores.append(offsets[1])
     triton_store, torch_store = stores
     assert torch.equal(torch_store[slots.long()], expected)
     assert (triton_store[[1, 2]] == -7).all() and (torch_store[[1, 2]] == -7).all()

@@ -81,3 +81,37 @@ def test_ties_give_a_valid_top_set_with_the_lowest_positions(device, launch):
             ties = torch.nonzero(values == threshold).flatten()
             taken = kept[values[kept] == threshold]
             assert torch.equal(taken, ties[: taken.numel()])  # the lowest positions among the ties
+
+
+def test_every_layer_in_one_launch_equals_one_launch_per_layer(device):
+    """The engine's form: scores and store with a leading layer dimension (a slice of the workspace's
+    rows, so the layers are not contiguous with each other), each layer selected as its own launch
+    would, and nothing written to other slots or past the budget in any layer."""
+    num_layers, num_kv_heads, max_budget = 3, 2, 64
+    rows = [(700, 35), (90, 60), (0, 5), (300, 64)]
+    num_old, budgets = i32([n for n, _ in rows], device), i32([b for _, b in rows], device)
+    workspace = torch.exp(torch.randn(num_layers, len(rows) + 2, num_kv_heads, 720, device=device) * 6 - 8)
+    scores = workspace[:, : len(rows)]  # as the runner slices its verification rows
+    slots = torch.tensor([5, 0, 2, 3], device=device)
+    together = torch.full((num_layers, 7, num_kv_heads, max_budget), -7, dtype=torch.int32, device=device)
+    select_top_keys_into(scores, num_old, budgets, together, slots)
+    apart = torch.full_like(together, -7)
+    for layer in range(num_layers):
+        select_top_keys_into(scores[layer], num_old, budgets, apart[layer], slots)
+    assert torch.equal(together, apart)
+    for layer in range(num_layers):  # and each layer is its own scores' top keys, not another layer's
+        masked = scores[layer].clone()
+        for row, (n, _) in enumerate(rows):
+            masked[row, :, n:] = float("-inf")
+        expected = select_top_keys(masked, torch.minimum(budgets, num_old), max_budget)
+        for row, (n, b) in enumerate(rows):
+            kept = min(n, b)
+            assert torch.equal(together[layer, slots[row], :, :kept], expected[row, :, :kept]), (layer, row)
+    assert (together[:, [1, 4, 6]] == -7).all()
+
+
+def test_layer_dimensions_must_agree(device):
+    scores = torch.rand(2, 1, 1, 8, device=device)
+    store = torch.zeros((3, 1, 1, 4), dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="selected"):
+        select_top_keys_into(scores, i32([8], device), i32([2], device), store, torch.tensor([0], device=device))
