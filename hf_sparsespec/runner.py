@@ -34,7 +34,7 @@ from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCOR
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
-from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
+from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled, truncated_probs
 from hf_sparsespec.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -360,10 +360,13 @@ class ModelRunner:
             params=f["logits_params"].long(),
             host=batch.host_rows if batch is not None else None,
         )
-        temperature = self.pipeline.fused_temperature
+        temperature, truncation = self.pipeline.fused_temperature, self.pipeline.fused_truncation
         if self.do_sample and temperature is not None:  # one pass from the model's logits to the probabilities
             logits = self.pipeline.ban_eos_in_place(logits, rows)
             scores, probs = None, self.backend.tempered_softmax(logits, temperature)
+        elif self.do_sample and truncation is not None:  # top-k / top-p without sorting the vocabulary
+            scores = self.pipeline(logits.float(), self.token_buffer, rows, truncation.num_history_steps)
+            scores, probs = None, truncated_probs(scores, truncation)
         else:
             scores = self.pipeline(logits.float(), self.token_buffer, rows)
             probs = torch.softmax(scores, dim=-1) if self.do_sample else None

@@ -165,6 +165,30 @@ class LogitsPipeline:
             return None
         return float(temperatures[0].temperature) if temperatures else 1.0
 
+    @property
+    def fused_truncation(self) -> Truncation | None:
+        """How sampling may skip transformers' sort of the whole vocabulary (`truncated_probs`): for a
+        pipeline of history steps (min-length, repetition penalty; applied first, as usual), then at most
+        one each of temperature, top-k and top-p in transformers' order, top-k present (at most
+        `MAX_FUSED_TOP_K`), both truncations filtering to -inf. None for any other pipeline."""
+        warpers = {lp.TemperatureLogitsWarper: "temperature", lp.TopKLogitsWarper: "top_k", lp.TopPLogitsWarper: "top_p"}
+        kinds = [warpers.get(type(p), kind) for p, kind in self.steps]
+        first = next((i for i, kind in enumerate(kinds) if kind in warpers.values()), len(kinds))
+        head, tail = kinds[:first], kinds[first:]
+        if any(kind not in ("min_length", "repetition") for kind in head) or "top_k" not in tail:
+            return None
+        if tail not in (["top_k"], ["top_k", "top_p"], ["temperature", "top_k"], ["temperature", "top_k", "top_p"]):
+            return None
+        found = {kinds[i]: self.steps[i][0] for i in range(first, len(kinds))}
+        top_k, top_p = found["top_k"], found.get("top_p")
+        if any(p.filter_value != float("-inf") for p in (top_k, top_p) if p is not None):
+            return None
+        if top_k.top_k > MAX_FUSED_TOP_K:
+            return None
+        temperature = float(found["temperature"].temperature) if "temperature" in found else 1.0
+        return Truncation(first, temperature, int(top_k.top_k), float(top_p.top_p) if top_p else 1.0,
+                          int(top_p.min_tokens_to_keep) if top_p else 1)  # fmt: skip
+
     def ban_eos_in_place(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
         """The min-length steps alone, in place on `logits [num_logits, vocab]` (any float dtype)."""
         for index, (_, kind) in enumerate(self.steps):
@@ -195,10 +219,13 @@ class LogitsPipeline:
                 params.append(int(ignore or 0))
         return tuple(params)
 
-    def __call__(self, scores: torch.Tensor, token_buffer: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
-        """`scores [num_logits, vocab]` float32 -> processed scores (same shape)."""
+    def __call__(
+        self, scores: torch.Tensor, token_buffer: torch.Tensor, rows: LogitsRows, num_steps: int | None = None
+    ) -> torch.Tensor:
+        """`scores [num_logits, vocab]` float32 -> processed scores (same shape), by every step or the
+        first `num_steps`."""
         empty = scores.new_empty((scores.shape[0], 0), dtype=torch.long)
-        for index, (processor, kind) in enumerate(self.steps):
+        for index, (processor, kind) in enumerate(self.steps[:num_steps]):
             if kind == "row":
                 scores = processor(empty, scores)
             elif kind == "min_length":  # only the eos columns change: touch only them
@@ -214,6 +241,59 @@ class LogitsPipeline:
             eos = torch.as_tensor(self.steps[index][0].eos_token_id).flatten()
             self._eos_ids_of[index] = eos.unique().to(device=device, dtype=torch.long)
         return self._eos_ids_of[index]
+
+
+# Largest top-k the truncated path takes (its candidates' tie search is k log k per row; transformers'
+# default is 50, model cards use 20-100).
+MAX_FUSED_TOP_K = 1024
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """`LogitsPipeline.fused_truncation`: the pipeline's first `num_history_steps` steps (min-length,
+    repetition penalty), then temperature -> top-k -> top-p (1.0: none)."""
+
+    num_history_steps: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_tokens_to_keep: int  # top-p's
+
+
+def truncated_probs(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """transformers' temperature -> `TopKLogitsWarper` -> `TopPLogitsWarper` -> softmax on `scores
+    [rows, vocab]` float32 (the history steps applied), without sorting the vocabulary.
+
+    - Top-k keeps every token at or above the k-th largest score, ties included (as transformers).
+    - Top-p: transformers sorts all scores ascending and drops the tokens whose cumulative probability
+      is <= 1 - top_p, i.e. keeps a token iff the probability of the tokens above it is < top_p. Only
+      the top-k candidates can be kept, so that mass is summed over the k candidates (sorted by
+      `torch.topk`), tokens of equal score sharing the mass strictly above them.
+    - The same distribution up to float rounding. Two cases can differ at the top-p boundary:
+      - a token whose mass above lies within rounding of top_p (our sum runs from the top,
+        transformers' cumulative sum from the bottom);
+      - equal scores straddling the boundary: transformers' unstable sort keeps an arbitrary part of
+        them, this keeps all.
+
+    One `torch.topk` over the vocabulary and a few elementwise passes, no host syncs (graph-safe);
+    transformers' top-p sorts the whole vocabulary of every row."""
+    if truncation.temperature != 1.0:
+        scores = scores / truncation.temperature  # as TemperatureLogitsWarper (it is absent at 1.0)
+    top_k = min(truncation.top_k, scores.shape[-1])
+    head = torch.topk(scores, top_k, dim=-1).values  # [rows, k], descending
+    best, kth = head[:, :1], head[:, -1:]
+    weights = torch.exp(scores - best).masked_fill_(scores < kth, 0.0)  # top-k's softmax, unnormalised
+    if truncation.top_p < 1.0:
+        head_weights = torch.exp(head - best)
+        # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
+        above = torch.cumsum(head_weights, dim=-1) - head_weights
+        first = torch.searchsorted(-head.contiguous(), -head.contiguous(), side="left")
+        above = above.gather(1, first) / weights.sum(dim=-1, keepdim=True)
+        keep = above < truncation.top_p
+        keep[:, : min(truncation.min_tokens_to_keep, top_k)] = True
+        threshold = torch.where(keep, head, float("inf")).amin(dim=-1, keepdim=True)
+        weights.masked_fill_(scores < threshold, 0.0)
+    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def _repetition_penalty(penalty: float, scores, token_buffer, rows: LogitsRows, ignore: torch.Tensor) -> torch.Tensor:

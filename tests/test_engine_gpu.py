@@ -127,3 +127,28 @@ def test_compiled_forward_with_graphs_equals_plain_generate(k, runners):
     assert_greedy_equal(model, expected, compiled.sequences, mask)
     (runner,) = runners
     assert runner.counters.graph_replays > 0
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_top_k_top_p_sampling_skips_the_sort_with_graphs(k, runners, monkeypatch):
+    """A model card's sampling (repetition penalty, temperature, top-k, top-p) in captured iterations:
+    the probabilities come from `truncated_probs` (no sort of the vocabulary), and the keyed draws give
+    the tokens of the processors-then-softmax path."""
+    from hf_sparsespec import runner as runner_module
+    from hf_sparsespec.sampling import LogitsPipeline
+
+    calls = []
+    fused = runner_module.truncated_probs
+    monkeypatch.setattr(runner_module, "truncated_probs", lambda *a: calls.append(1) or fused(*a))
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
+    config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
+    sample = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+    torch.manual_seed(7)
+    out = _generate(model, ids, mask, config, **sample)
+    assert calls
+    monkeypatch.setattr(LogitsPipeline, "fused_truncation", property(lambda self: None))
+    torch.manual_seed(7)
+    unfused = _generate(model, ids, mask, config, **sample)
+    assert torch.equal(out.sequences, unfused.sequences)
+    assert all(r.counters.graph_replays > 0 for r in runners)

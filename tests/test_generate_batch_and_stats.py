@@ -150,3 +150,27 @@ def test_fused_sampling_path_draws_the_pipelines_tokens(monkeypatch):
     torch.manual_seed(3)
     assert torch.equal(model.generate(input_ids=ids, **sample), out)
     assert (out[:, 6:18] != 7).all()
+
+
+@pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
+def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, monkeypatch):
+    """A model card's sampling (repetition penalty, temperature, top-k, top-p): the engine takes
+    `truncated_probs` (no sort of the vocabulary) and draws exactly the tokens of the
+    processors-then-softmax path."""
+    from hf_sparsespec import runner as runner_module
+    from hf_sparsespec.sampling import LogitsPipeline
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (4, 6), generator=torch.Generator().manual_seed(8))
+    config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=3, page_size=4)
+    sample = dict(do_sample=True, temperature=0.7, top_k=12, top_p=0.8, repetition_penalty=1.05, max_new_tokens=20,
+                  generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
+    calls = []
+    fused = runner_module.truncated_probs
+    monkeypatch.setattr(runner_module, "truncated_probs", lambda *a: calls.append(1) or fused(*a))
+    torch.manual_seed(4)
+    out = model.generate(input_ids=ids, **sample)
+    assert calls
+    monkeypatch.setattr(LogitsPipeline, "fused_truncation", property(lambda self: None))
+    torch.manual_seed(4)
+    assert torch.equal(model.generate(input_ids=ids, **sample), out)
