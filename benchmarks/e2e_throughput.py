@@ -84,6 +84,10 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "induction_compiled": dict(selection="induction", compile_forward=True),
     "induction_diagonal": dict(selection="induction_diagonal"),
     "induction_diagonal_compiled": dict(selection="induction_diagonal", compile_forward=True),
+    # the scoring passes on a second stream (`overlap_scoring`), against the same run without
+    "induction_diagonal_overlap": dict(selection="induction_diagonal", overlap_scoring=True),
+    "induction_diagonal_overlap_compiled": dict(selection="induction_diagonal", compile_forward=True,
+                                                overlap_scoring=True),  # fmt: skip
     "pillar": dict(selection="pillar"),
     "diagonal": dict(selection="diagonal"),
     "streaming": dict(selection="streaming"),

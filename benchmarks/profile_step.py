@@ -3,8 +3,11 @@ engine configurations side by side in one process (random weights of a real shap
 
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --runs ar,pillar,ar_compiled,pillar_compiled
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 64 --prompt-tokens 4000 --runs ar,pillar
+    python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --prompt-tokens 8000 --top-k 20 --top-p 0.8 \
+        --runs induction_diagonal,induction_diagonal_unfused,induction_diagonal_overlap
 
-Per run (names as in e2e_throughput.py; graphs on unless the run turns them off): the engine decodes
+Per run (names as in e2e_throughput.py, and `<run>_unfused`: the same with the logits pipeline's fused
+paths off; graphs on unless the run turns them off): the engine decodes
 to a steady state (through the whole chunked prefill, then `--warm-iterations` decode iterations,
 which compile kernels and capture graphs), then `--iterations` iterations are timed (wall time of `step()` and CUDA-event device
 time of each iteration) and, with `--profile`, traced by torch.profiler: the kernels by device time per
@@ -16,6 +19,7 @@ Prints a table last; `--out` writes it as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections import defaultdict
@@ -32,6 +36,7 @@ from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.attention import use_attention
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
+from hf_sparsespec.sampling import LogitsPipeline
 
 
 def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, float, float]]]:
@@ -46,8 +51,28 @@ def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, f
     return sum(totals.values()) / iterations, sum(counts.values()) / iterations, rows
 
 
+@contextlib.contextmanager
+def unfused_sampling(active: bool):
+    """With `active`, the logits pipeline's fused paths off (`fused_temperature`, `fused_truncation`):
+    transformers' processors, then torch.softmax, as before them (the `<run>_unfused` runs)."""
+    if not active:
+        yield
+        return
+    saved = LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation
+    LogitsPipeline.fused_temperature = LogitsPipeline.fused_truncation = property(lambda self: None)
+    try:
+        yield
+    finally:
+        LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation = saved
+
+
 def measure(model, prompts, args, run: str) -> dict:
-    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run]
+    with unfused_sampling(run.endswith("_unfused")):
+        return _measure(model, prompts, args, run)
+
+
+def _measure(model, prompts, args, run: str) -> dict:
+    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run.removesuffix("_unfused")]
     config = SparseSpecConfig(**fields)
     # every request must still be decoding when the timing ends: one admitted early decodes (in AR mode one
     # token an iteration) through the rest of the chunked prefill, so its length covers the prefill too
@@ -55,8 +80,8 @@ def measure(model, prompts, args, run: str) -> dict:
     prefill_bound = sum(len(p) for p in prompts) // config.prefill_chunk_size + len(prompts)
     timed = args.warm_iterations + args.iterations + (args.profile_iterations if args.profile else 0)
     n = max(args.new_tokens, prefill_bound + timed + 1)
-    gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
-                           eos_token_id=None, pad_token_id=0)  # fmt: skip
+    gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=args.top_k, top_p=args.top_p, max_new_tokens=n,
+                           min_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
     job = prepare_batch(model, prompts, gen)
     engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
     runner = engine.runner
@@ -134,6 +159,8 @@ def main() -> None:
         default=400,
         help="output length (raised to outlast the prefill and the timed iterations)",
     )
+    parser.add_argument("--top-k", type=int, default=0, help="sampling's top-k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampling's top-p (1.0: off)")
     parser.add_argument("--warm-iterations", type=int, default=60)
     parser.add_argument("--iterations", type=int, default=36)
     parser.add_argument("--profile", action="store_true", help="also trace kernels (torch.profiler)")

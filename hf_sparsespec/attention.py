@@ -15,6 +15,7 @@ and a dense `[num_tokens, kv_len]` mask of a packed batch would cost quadratic m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -71,17 +72,24 @@ def sparsespec_attention(
             step.backend.name, moved_store,
         )  # fmt: skip
         if score:
+            aside = step.aside
             ops.score_verification(q, layer.keys, *verify, lse, step.num_old_keys, step.scores, layer_idx,
                                    step.verify_slots, scale, step.spec_len, step.backend.name,
-                                   moved_store if step.verify_moves else None, step.best, step.verify_moves)  # fmt: skip
+                                   moved_store if step.verify_moves else None, step.best, step.verify_moves,
+                                   *(aside.query, aside.lse, aside.tokens, aside.query_start) if aside else (None,) * 4,
+                                   aside.stream.cuda_stream if aside else 0)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip
     if score:
-        step.backend.score_verification(q, layer.keys, *verify, lse, step.num_old_keys, step.scores[layer_idx], scale,
-                                        step.verify_slots, step.spec_len,
-                                        offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,
-                                        best=step.best[layer_idx] if step.best is not None else None)  # fmt: skip
+        aside = step.aside
+        if aside is not None:  # this layer's slices of the copies
+            n = aside.tokens.shape[0]
+            aside = dataclasses.replace(aside, query=aside.query[layer_idx, :n], lse=aside.lse[layer_idx, :n])
+        ops.score_layer(step.backend, q, layer.keys, *verify, lse, step.num_old_keys, step.scores[layer_idx], scale,
+                        step.verify_slots, step.spec_len,
+                        offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,
+                        best=step.best[layer_idx] if step.best is not None else None, aside=aside)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

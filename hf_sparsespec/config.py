@@ -124,6 +124,13 @@ class SparseSpecConfig:
             (greedy stays exact, sampling keeps the model's distribution), but the switch depends on
             the batch, so a sampled output then depends on when its batch shrank, not on the request
             alone. 0 (the default): never.
+        overlap_scoring: run each layer's PillarAttn scoring pass (the verification rows' second read
+            of their keys) on a second CUDA stream, beside the rest of the forward, instead of between
+            the layer's attention and the next layer. The verification rows' queries and LSE are
+            copied aside first (layers x requests x (k + 1) x query heads x (head_dim x dtype + 4)
+            bytes, taken out of the KV pool's share), then every layer's scores join the main stream
+            before the selection. Outputs are unchanged. CUDA with the Triton backend only (ignored
+            elsewhere). Off by default: its speed is not measured yet.
     """
 
     num_draft_tokens: int = 8
@@ -147,7 +154,8 @@ class SparseSpecConfig:
     backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
     compile_forward: bool = False
-    plain_tail_rows: int = 0  # last, so that positional arguments keep their meaning
+    plain_tail_rows: int = 0  # from here on last, so that positional arguments keep their meaning
+    overlap_scoring: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -194,7 +202,7 @@ class SparseSpecConfig:
             _check_int("host_pool_bytes", self.host_pool_bytes, 0)
         _check_int("offload_chunk_tokens", self.offload_chunk_tokens, 1)
         _check_choice("backend", self.backend, BACKENDS)
-        for name in ("cuda_graphs", "compile_forward"):
+        for name in ("cuda_graphs", "compile_forward", "overlap_scoring"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

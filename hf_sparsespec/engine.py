@@ -135,7 +135,7 @@ class Engine:
             vocab_size=geometry.vocab_size, group=group, selection=config.selection,
             num_sink_tokens=config.num_sink_tokens, use_graphs=use_graphs, cache_kwarg=cache_kwarg_name(model),
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
-            compile_forward=config.compile_forward, tp_group=tp_group,
+            compile_forward=config.compile_forward, tp_group=tp_group, overlap_scoring=config.overlap_scoring,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 
@@ -158,10 +158,15 @@ class Engine:
             free = free_device_memory(self.device)
             page_bytes = 2 * geometry.num_layers * config.page_size * geometry.num_kv_heads * geometry.head_dim
             page_bytes *= geometry.dtype.itemsize
-            # the runner's verification scores (every layer's, `ModelRunner.scores`) come out of the pool's share
-            scored = config.selection in SCORED_SELECTIONS and self.k > 0
-            scores_bytes = 4 * geometry.num_layers * num_slots * geometry.num_kv_heads * history_width if scored else 0
-            share = int(free * config.gpu_memory_fraction) - scores_bytes
+            # the runner's verification scores (every layer's, `ModelRunner.scores`) and, overlapping the
+            # scoring passes, the copies of the verifications' queries and LSE come out of the pool's share
+            workspace = 0
+            if config.selection in SCORED_SELECTIONS and self.k > 0:
+                workspace = 4 * geometry.num_layers * num_slots * geometry.num_kv_heads * history_width
+                if config.overlap_scoring:
+                    copy_bytes = geometry.head_dim * geometry.dtype.itemsize + 4
+                    workspace += geometry.num_layers * num_slots * spec * geometry.num_q_heads * copy_bytes
+            share = int(free * config.gpu_memory_fraction) - workspace
             num_pages = max(1, min(needed, share // page_bytes))
             if tp_group is not None:  # one pool size for the group: admission and offloads must agree
                 import torch.distributed as dist

@@ -10,6 +10,9 @@ directly (no dispatch cost); `SparseSpecConfig(compile_forward=True)` routes thr
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
@@ -66,26 +69,80 @@ def _(query, k_cache, v_cache, page_table, query_start, context_lens, num_full_r
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("hf_sparsespec::score_verification", mutates_args=("scores", "moved_offsets", "best"))
+@dataclass
+class ScoringAside:
+    """Where a layer's scoring pass runs beside the forward (`SparseSpecConfig.overlap_scoring`): the
+    second stream, and the copies of the verification rows' queries and LSE it reads (the forward
+    may reuse the originals' memory as soon as the layer is done)."""
+
+    stream: torch.cuda.Stream | None  # None: the copies scored on the current stream (the same data path)
+    query: torch.Tensor  # [n, num_q_heads, head_dim]: this layer's slice of the runner's store
+    lse: torch.Tensor  # [n, num_q_heads] fp32
+    tokens: torch.Tensor  # [n] int64, the step's tokens copied (the verification rows', then padding)
+    query_start: torch.Tensor  # [num_verify_rows + 1] int32, the rows' starts among the copies
+
+
+def scoring_aside(
+    stream, query_store: torch.Tensor, lse_store: torch.Tensor, verify_query_start: torch.Tensor, count: int,
+    num_tokens: int,
+) -> ScoringAside:  # fmt: skip
+    """A step's `ScoringAside` (the stores whole, sliced per layer): the `count` tokens from the first
+    verification row's (its rows', then whatever follows: never read) of a step of `num_tokens`, and
+    the rows' starts among them. Device ops only (graph-safe)."""
+    first = verify_query_start[:1]
+    tokens = (first.long() + torch.arange(count, device=verify_query_start.device)).clamp_(max=num_tokens - 1)
+    return ScoringAside(stream, query_store, lse_store, tokens, verify_query_start - first)
+
+
+def score_layer(
+    backend, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots, max_queries,
+    offsets=None, best=None, aside: ScoringAside | None = None,
+) -> None:  # fmt: skip
+    """One layer's `score_verification`; with `aside`, on its stream after copying what it reads (the
+    runner joins the stream after the forward, before selecting)."""
+    if aside is None:
+        backend.score_verification(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
+                                   max_queries, offsets=offsets, best=best)  # fmt: skip
+        return
+    torch.index_select(query, 0, aside.tokens, out=aside.query)
+    torch.index_select(lse, 0, aside.tokens, out=aside.lse)
+    if aside.stream is not None:
+        aside.stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(aside.stream) if aside.stream is not None else contextlib.nullcontext():
+        backend.score_verification(aside.query, k_cache, page_table, aside.query_start, aside.lse, num_old_keys,
+                                   scores, scale, slots, max_queries, offsets=offsets, best=best)  # fmt: skip
+
+
+@torch.library.custom_op(
+    "hf_sparsespec::score_verification", mutates_args=("scores", "moved_offsets", "best", "aside_query", "aside_lse")
+)
 def score_verification(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, scores: torch.Tensor, layer: int, slots: torch.Tensor,
     scale: float, max_queries: int, backend: str, moved_offsets: torch.Tensor | None, best: torch.Tensor | None,
-    num_moves: int,
+    num_moves: int, aside_query: torch.Tensor | None, aside_lse: torch.Tensor | None,
+    aside_tokens: torch.Tensor | None, aside_query_start: torch.Tensor | None, aside_stream: int,
 ) -> None:  # fmt: skip
     """Writes `scores[layer]` (and, for the diagonal selection, `best[layer]` on Triton or the first
     `num_moves` entries of `moved_offsets[layer]` on the reference); the whole stores are the mutated
     arguments: a compiled graph loses mutations of a view of a tensor it did not receive as an input.
-    The optional mutated arguments have no defaults: torch 2.10-2.11 drop arguments equal to their
-    defaults and then fail to find them (IndexError, pytorch/pytorch#176078)."""
-    _backend(backend, query.device).score_verification(
-        query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer], scale, slots, max_queries,
-        offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
-        best=best[layer] if best is not None else None,
-    )
+    `aside_*` (`ScoringAside`'s, the stream as its handle; 0: none): score on that stream, from
+    copies in `aside_query[layer]`/`aside_lse[layer]`. The optional mutated arguments have no
+    defaults: torch 2.10-2.11 drop arguments equal to their defaults and then fail to find them
+    (IndexError, pytorch/pytorch#176078)."""
+    aside = None
+    if aside_stream:
+        n = aside_tokens.shape[0]
+        stream = torch.cuda.ExternalStream(aside_stream, device=query.device)  # the runner's scoring stream
+        aside = ScoringAside(stream, aside_query[layer, :n], aside_lse[layer, :n], aside_tokens, aside_query_start)
+    score_layer(
+        _backend(backend, query.device), query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer],
+        scale, slots, max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
+        best=best[layer] if best is not None else None, aside=aside,
+    )  # fmt: skip
 
 
 @score_verification.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, backend,
-      moved_offsets, best, num_moves):  # fmt: skip
+      moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_stream):  # fmt: skip
     return None

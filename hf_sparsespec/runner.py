@@ -34,6 +34,7 @@ from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCOR
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
+from hf_sparsespec.ops import ScoringAside, scoring_aside
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled, truncated_probs
 from hf_sparsespec.step import StepBatch
 
@@ -96,7 +97,7 @@ class ModelRunner:
                  num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
                  logits_to_keep: bool, max_context: int, compile_forward: bool = False,
-                 tp_group=None) -> None:  # fmt: skip
+                 tp_group=None, overlap_scoring: bool = False) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
@@ -134,6 +135,16 @@ class ModelRunner:
         if self.scores_verify_rows:
             shape = (cache.num_layers, largest.num_verify_rows, cache.num_kv_heads, history_width)
             self.scores = torch.empty(shape, dtype=torch.float32, device=device)
+        # `overlap_scoring`: the scoring passes on a second stream, reading copies of the verification
+        # rows' queries and LSE (at most every request verifying, k + 1 tokens each)
+        self.scoring_stream = self.aside_query = self.aside_lse = None
+        if overlap_scoring and self.scores is not None and backend.needs_plan and device.type == "cuda":
+            self.scoring_stream = torch.cuda.Stream(device)
+            copies = largest.num_verify_rows * (k + 1)
+            num_q_heads, dtype = cache.num_kv_heads * group, cache.layers[0].keys.dtype
+            self.aside_query = torch.empty((cache.num_layers, copies, num_q_heads, cache.head_dim), dtype=dtype,
+                                           device=device)  # fmt: skip
+            self.aside_lse = torch.empty((cache.num_layers, copies, num_q_heads), dtype=torch.float32, device=device)
         # who writes the moved-key store: the verifications its first (k + 1) x group entries ("diagonal",
         # "induction_diagonal"), the induction lookup before each iteration's drafts the rest
         has_store = cache.moved_offsets is not None
@@ -346,8 +357,12 @@ class ModelRunner:
         )
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
-        logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
         v, d = shape.num_verify_rows, shape.num_draft_rows
+        if self.scoring_stream is not None and v:
+            step.aside = self._scoring_aside(f["verify_query_start"], v * spec, shape.num_tokens)
+        logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
+        if step.aside is not None:  # every layer's scores, before selecting from them
+            torch.cuda.current_stream().wait_stream(self.scoring_stream)
         if v and self.scores_verify_rows:  # the verifications' new selections, every layer at once
             moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
             self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
@@ -409,6 +424,9 @@ class ModelRunner:
         if results:
             values = torch.cat(results)
             self.results[: values.shape[0]].copy_(values)
+
+    def _scoring_aside(self, verify_query_start: torch.Tensor, count: int, num_tokens: int) -> ScoringAside:
+        return scoring_aside(self.scoring_stream, self.aside_query, self.aside_lse, verify_query_start, count, num_tokens)
 
     def _same_on_every_process(self, values: torch.Tensor) -> torch.Tensor:
         """Random choices of the tensor-parallel group's first process (the logits are the same on

@@ -53,3 +53,6 @@ class StepBatch:
     # entries of the moved-key store the verifications write: its first (k + 1) x group ("diagonal",
     # "induction_diagonal"); 0: none. "induction" keys (the rest of the store) are filled before the forward
     verify_moves: int = 0
+    # `overlap_scoring`: the scoring pass's stream and copies (`ops.ScoringAside`, with `query` and `lse`
+    # the runner's whole `[num_layers, ...]` stores, sliced per layer); None: scored in line
+    aside: object | None = None

@@ -44,6 +44,7 @@ def test_defaults():
         ("backend", "cuda", r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
         ("delayed_verification", "yes", r"delayed_verification must be a bool, got 'yes'"),
         ("cuda_graphs", 1, r"cuda_graphs must be a bool, got 1"),
+        ("overlap_scoring", "yes", r"overlap_scoring must be a bool, got 'yes'"),
         ("kv_policy", "lru", r"kv_policy must be one of \('dynamic', 'reserve'\), got 'lru'"),
         ("host_pool_bytes", -1, r"host_pool_bytes must be >= 0, got -1"),
         ("offload_chunk_tokens", 0, r"offload_chunk_tokens must be >= 1, got 0"),

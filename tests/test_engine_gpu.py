@@ -152,3 +152,25 @@ def test_top_k_top_p_sampling_skips_the_sort_with_graphs(k, runners, monkeypatch
     unfused = _generate(model, ids, mask, config, **sample)
     assert torch.equal(out.sequences, unfused.sequences)
     assert all(r.counters.graph_replays > 0 for r in runners)
+
+
+@pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
+@pytest.mark.parametrize("selection", ["induction_diagonal", "pillar", "diagonal"])
+def test_scoring_on_a_second_stream_changes_nothing(selection, compile_forward, runners):
+    """`overlap_scoring`: the scoring passes run beside the forward on their own stream, from copies of
+    the verification rows' queries and LSE, inside captured iterations. Greedy output, acceptance and
+    every selection equal the in-line scoring's, and plain `generate`'s."""
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    outs = []
+    for overlap in (True, False):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, selection=selection,
+                                  compile_forward=compile_forward, overlap_scoring=overlap)  # fmt: skip
+        outs.append(_generate(model, ids, mask, config, do_sample=False))
+    assert_greedy_equal(model, expected, outs[0].sequences, mask)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].sparsespec_stats.total.as_dict() == outs[1].sparsespec_stats.total.as_dict()
+    overlapped, in_line = runners
+    assert overlapped.scoring_stream is not None and in_line.scoring_stream is None
+    assert overlapped.counters.graph_replays > 0

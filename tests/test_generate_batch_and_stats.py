@@ -174,3 +174,16 @@ def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, monkey
     monkeypatch.setattr(LogitsPipeline, "fused_truncation", property(lambda self: None))
     torch.manual_seed(4)
     assert torch.equal(model.generate(input_ids=ids, **sample), out)
+
+
+def test_overlap_scoring_is_ignored_without_cuda():
+    """`overlap_scoring` needs a second CUDA stream: on the CPU the scoring stays in line, and nothing
+    changes (the GPU test compares both on a device)."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (3, 7), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for overlap in (True, False):
+        config = SparseSpecConfig(num_draft_tokens=3, min_budget=3, page_size=4, overlap_scoring=overlap)
+        outs.append(model.generate(input_ids=ids, do_sample=False, max_new_tokens=16, generation_strategy="sparsespec",
+                                   sparsespec_config=config))  # fmt: skip
+    assert torch.equal(outs[0], outs[1])

@@ -5,6 +5,8 @@ the selection), alone and inside `mixed_attention` with split work lists."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import (  # noqa: F401
@@ -328,3 +330,45 @@ def test_the_draft_kernels_compile_once_whatever_the_selection_width():
         for width in (1, 16, 128, 432, 4096, 65535)
     }  # fmt: skip
     assert len({tuple(sorted(c.items())) for c in constants.values()}) == 1, constants
+
+
+@pytest.mark.parametrize("backend", [TritonBackend(), TorchBackend()], ids=["triton", "torch"])
+def test_scoring_from_the_aside_copies_equals_scoring_in_line(device, backend):
+    """`overlap_scoring`'s data path (`ops.scoring_aside`, `ops.score_layer`), here on the current
+    stream: the step's tokens are prefill, then verification rows (3 of up to k + 1 = 4 tokens: 10 of
+    the 12 copied), then a draft; the copies' rows and starts give the same scores (and best keys) as
+    the originals' absolute offsets."""
+    from hf_sparsespec.ops import score_layer, scoring_aside
+
+    group, spec, prefill, drafts = 3, 4, 5, 1  # 5 + 10 + 1 tokens: the 12th copy is clamped to the last token
+    context_lens, q_lens = [37, 20, 53], [4, 4, 2]
+    query, k_cache, page_table, starts, lse, num_old, scale = _verify_rows(device, torch.float32, 4, group, 16,
+                                                                           context_lens, q_lens)  # fmt: skip
+    # the step: 5 prefill tokens before the verification rows, a draft token after them
+    step_query = torch.cat([torch.randn(prefill, *query.shape[1:]).to(device), query,
+                            torch.randn(drafts, *query.shape[1:]).to(device)])  # fmt: skip
+    step_lse = torch.cat([torch.rand(prefill, lse.shape[1]).to(device), lse, torch.rand(drafts, lse.shape[1]).to(device)])
+    step_starts = starts + prefill
+    slots = torch.tensor([2, 0, 1], device=device)
+    entries = spec * group
+    results = []
+    for aside in (False, True):
+        scores = torch.zeros((3, 2, 64), dtype=torch.float32, device=device)
+        offsets = torch.full((3, 2, entries), -7, dtype=torch.int32, device=device)
+        best = torch.zeros((3, 2, entries), dtype=torch.int64, device=device) if backend.needs_plan else None
+        copies = None
+        if aside:
+            stores = (torch.full((2, 3 * spec, *query.shape[1:]), float("nan"), device=device),
+                      torch.full((2, 3 * spec, lse.shape[1]), float("nan"), device=device))  # fmt: skip
+            copies = scoring_aside(None, *stores, step_starts, 3 * spec, step_query.shape[0])
+            copies = dataclasses.replace(copies, query=stores[0][1], lse=stores[1][1])  # layer 1's slices
+        score_layer(backend, step_query, k_cache, page_table, step_starts, step_lse, num_old, scores, scale, slots,
+                    spec, offsets=offsets if best is None else None, best=best, aside=copies)  # fmt: skip
+        results.append((scores, offsets, best))
+    for row, n in enumerate(num_old.tolist()):
+        assert torch.equal(results[0][0][row, :, :n], results[1][0][row, :, :n])
+    assert torch.equal(results[0][1], results[1][1])
+    if backend.needs_plan:
+        assert torch.equal(results[0][2], results[1][2]) and (results[0][2] != 0).any()
+    else:
+        assert (results[0][1] != -7).any()
