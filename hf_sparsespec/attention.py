@@ -15,7 +15,6 @@ and a dense `[num_tokens, kv_len]` mask of a packed batch would cost quadratic m
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 
@@ -77,15 +76,12 @@ def sparsespec_attention(
                                    step.verify_slots, scale, step.spec_len, step.backend.name,
                                    moved_store if step.verify_moves else None, step.best, step.verify_moves,
                                    *(aside.query, aside.lse, aside.tokens, aside.query_start) if aside else (None,) * 4,
-                                   aside.stream.cuda_stream if aside else 0)  # fmt: skip
+                                   aside is not None and aside.stream is not None)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip
     if score:
-        aside = step.aside
-        if aside is not None:  # this layer's slices of the copies
-            n = aside.tokens.shape[0]
-            aside = dataclasses.replace(aside, query=aside.query[layer_idx, :n], lse=aside.lse[layer_idx, :n])
+        aside = step.aside.for_layer(layer_idx) if step.aside is not None else None
         ops.score_layer(step.backend, q, layer.keys, *verify, lse, step.num_old_keys, step.scores[layer_idx], scale,
                         step.verify_slots, step.spec_len,
                         offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,

@@ -11,7 +11,8 @@ directly (no dispatch cost); `SparseSpecConfig(compile_forward=True)` routes thr
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import dataclasses
+import functools
 
 import torch
 
@@ -69,37 +70,49 @@ def _(query, k_cache, v_cache, page_table, query_start, context_lens, num_full_r
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
-@dataclass
+@functools.cache
+def scoring_stream(device_index: int) -> torch.cuda.Stream:
+    """The second stream the scoring passes run on (`SparseSpecConfig.overlap_scoring`), one per device:
+    the compiled forward's custom op finds the runner's stream here, not through an argument."""
+    return torch.cuda.Stream(device=device_index)
+
+
+@dataclasses.dataclass
 class ScoringAside:
-    """Where a layer's scoring pass runs beside the forward (`SparseSpecConfig.overlap_scoring`): the
-    second stream, and the copies of the verification rows' queries and LSE it reads (the forward
-    may reuse the originals' memory as soon as the layer is done)."""
+    """Where the scoring passes run beside the forward (`SparseSpecConfig.overlap_scoring`): the second
+    stream, and the copies of the verification rows' queries and LSE they read (the forward may reuse
+    the originals' memory as soon as a layer is done)."""
 
     stream: torch.cuda.Stream | None  # None: the copies scored on the current stream (the same data path)
-    query: torch.Tensor  # [n, num_q_heads, head_dim]: this layer's slice of the runner's store
-    lse: torch.Tensor  # [n, num_q_heads] fp32
+    query: torch.Tensor  # [num_layers, copies, num_q_heads, head_dim]: the runner's store (or a layer's slice)
+    lse: torch.Tensor  # [num_layers, copies, num_q_heads] fp32 (or a layer's slice)
     tokens: torch.Tensor  # [n] int64, the step's tokens copied (the verification rows', then padding)
     query_start: torch.Tensor  # [num_verify_rows + 1] int32, the rows' starts among the copies
 
+    @classmethod
+    def for_step(
+        cls, stream, query_store: torch.Tensor, lse_store: torch.Tensor, verify_query_start: torch.Tensor, count: int,
+        num_tokens: int,
+    ) -> ScoringAside:  # fmt: skip
+        """The `count` tokens from the first verification row's (its rows', then whatever follows:
+        never read) of a step of `num_tokens`, and the rows' starts among them (device ops only)."""
+        first = verify_query_start[:1]
+        tokens = (first.long() + torch.arange(count, device=verify_query_start.device)).clamp_(max=num_tokens - 1)
+        return cls(stream, query_store, lse_store, tokens, verify_query_start - first)
 
-def scoring_aside(
-    stream, query_store: torch.Tensor, lse_store: torch.Tensor, verify_query_start: torch.Tensor, count: int,
-    num_tokens: int,
-) -> ScoringAside:  # fmt: skip
-    """A step's `ScoringAside` (the stores whole, sliced per layer): the `count` tokens from the first
-    verification row's (its rows', then whatever follows: never read) of a step of `num_tokens`, and
-    the rows' starts among them. Device ops only (graph-safe)."""
-    first = verify_query_start[:1]
-    tokens = (first.long() + torch.arange(count, device=verify_query_start.device)).clamp_(max=num_tokens - 1)
-    return ScoringAside(stream, query_store, lse_store, tokens, verify_query_start - first)
+    def for_layer(self, layer: int) -> ScoringAside:
+        """The same with the copies of `layer` (`[n, ...]`)."""
+        n = self.tokens.shape[0]
+        return dataclasses.replace(self, query=self.query[layer, :n], lse=self.lse[layer, :n])
 
 
 def score_layer(
     backend, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots, max_queries,
     offsets=None, best=None, aside: ScoringAside | None = None,
 ) -> None:  # fmt: skip
-    """One layer's `score_verification`; with `aside`, on its stream after copying what it reads (the
-    runner joins the stream after the forward, before selecting)."""
+    """One layer's `score_verification`; with `aside` (the layer's, `ScoringAside.for_layer`), from
+    copies of what it reads, on its stream (the runner joins the stream after the forward, before
+    selecting)."""
     if aside is None:
         backend.score_verification(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
                                    max_queries, offsets=offsets, best=best)  # fmt: skip
@@ -121,20 +134,19 @@ def score_verification(
     lse: torch.Tensor, num_old_keys: torch.Tensor, scores: torch.Tensor, layer: int, slots: torch.Tensor,
     scale: float, max_queries: int, backend: str, moved_offsets: torch.Tensor | None, best: torch.Tensor | None,
     num_moves: int, aside_query: torch.Tensor | None, aside_lse: torch.Tensor | None,
-    aside_tokens: torch.Tensor | None, aside_query_start: torch.Tensor | None, aside_stream: int,
+    aside_tokens: torch.Tensor | None, aside_query_start: torch.Tensor | None, aside_on_stream: bool,
 ) -> None:  # fmt: skip
     """Writes `scores[layer]` (and, for the diagonal selection, `best[layer]` on Triton or the first
     `num_moves` entries of `moved_offsets[layer]` on the reference); the whole stores are the mutated
     arguments: a compiled graph loses mutations of a view of a tensor it did not receive as an input.
-    `aside_*` (`ScoringAside`'s, the stream as its handle; 0: none): score on that stream, from
-    copies in `aside_query[layer]`/`aside_lse[layer]`. The optional mutated arguments have no
+    `aside_*` (`ScoringAside`'s; the query None: none): score from the copies in
+    `aside_query[layer]`/`aside_lse[layer]`, on the device's `scoring_stream` if `aside_on_stream`. The optional mutated arguments have no
     defaults: torch 2.10-2.11 drop arguments equal to their defaults and then fail to find them
     (IndexError, pytorch/pytorch#176078)."""
     aside = None
-    if aside_stream:
-        n = aside_tokens.shape[0]
-        stream = torch.cuda.ExternalStream(aside_stream, device=query.device)  # the runner's scoring stream
-        aside = ScoringAside(stream, aside_query[layer, :n], aside_lse[layer, :n], aside_tokens, aside_query_start)
+    if aside_query is not None:
+        stream = scoring_stream(query.device.index) if aside_on_stream else None
+        aside = ScoringAside(stream, aside_query, aside_lse, aside_tokens, aside_query_start).for_layer(layer)
     score_layer(
         _backend(backend, query.device), query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer],
         scale, slots, max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
@@ -144,5 +156,5 @@ def score_verification(
 
 @score_verification.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, backend,
-      moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_stream):  # fmt: skip
+      moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_on_stream):  # fmt: skip
     return None

@@ -34,7 +34,7 @@ from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCOR
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
-from hf_sparsespec.ops import ScoringAside, scoring_aside
+from hf_sparsespec.ops import ScoringAside, scoring_stream
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled, truncated_probs
 from hf_sparsespec.step import StepBatch
 
@@ -139,7 +139,7 @@ class ModelRunner:
         # rows' queries and LSE (at most every request verifying, k + 1 tokens each)
         self.scoring_stream = self.aside_query = self.aside_lse = None
         if overlap_scoring and self.scores is not None and backend.needs_plan and device.type == "cuda":
-            self.scoring_stream = torch.cuda.Stream(device)
+            self.scoring_stream = scoring_stream(device.index)  # the device of a tensor: always indexed
             copies = largest.num_verify_rows * (k + 1)
             num_q_heads, dtype = cache.num_kv_heads * group, cache.layers[0].keys.dtype
             self.aside_query = torch.empty((cache.num_layers, copies, num_q_heads, cache.head_dim), dtype=dtype,
@@ -359,7 +359,8 @@ class ModelRunner:
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
         v, d = shape.num_verify_rows, shape.num_draft_rows
         if self.scoring_stream is not None and v:
-            step.aside = self._scoring_aside(f["verify_query_start"], v * spec, shape.num_tokens)
+            step.aside = ScoringAside.for_step(self.scoring_stream, self.aside_query, self.aside_lse,
+                                               f["verify_query_start"], v * spec, shape.num_tokens)  # fmt: skip
         logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
         if step.aside is not None:  # every layer's scores, before selecting from them
             torch.cuda.current_stream().wait_stream(self.scoring_stream)
@@ -424,9 +425,6 @@ class ModelRunner:
         if results:
             values = torch.cat(results)
             self.results[: values.shape[0]].copy_(values)
-
-    def _scoring_aside(self, verify_query_start: torch.Tensor, count: int, num_tokens: int) -> ScoringAside:
-        return scoring_aside(self.scoring_stream, self.aside_query, self.aside_lse, verify_query_start, count, num_tokens)
 
     def _same_on_every_process(self, values: torch.Tensor) -> torch.Tensor:
         """Random choices of the tensor-parallel group's first process (the logits are the same on

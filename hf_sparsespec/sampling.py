@@ -287,7 +287,8 @@ def truncated_probs(scores: torch.Tensor, truncation: Truncation) -> torch.Tenso
         head_weights = torch.exp(head - best)
         # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
         above = torch.cumsum(head_weights, dim=-1) - head_weights
-        first = torch.searchsorted(-head.contiguous(), -head.contiguous(), side="left")
+        negated = -head  # ascending, as searchsorted wants
+        first = torch.searchsorted(negated, negated, side="left")
         above = above.gather(1, first) / weights.sum(dim=-1, keepdim=True)
         keep = above < truncation.top_p
         keep[:, : min(truncation.min_tokens_to_keep, top_k)] = True

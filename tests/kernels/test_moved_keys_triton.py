@@ -5,8 +5,6 @@ the selection), alone and inside `mixed_attention` with split work lists."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from kernel_cases import (  # noqa: F401
@@ -334,11 +332,11 @@ def test_the_draft_kernels_compile_once_whatever_the_selection_width():
 
 @pytest.mark.parametrize("backend", [TritonBackend(), TorchBackend()], ids=["triton", "torch"])
 def test_scoring_from_the_aside_copies_equals_scoring_in_line(device, backend):
-    """`overlap_scoring`'s data path (`ops.scoring_aside`, `ops.score_layer`), here on the current
+    """`overlap_scoring`'s data path (`ops.ScoringAside`, `ops.score_layer`), here on the current
     stream: the step's tokens are prefill, then verification rows (3 of up to k + 1 = 4 tokens: 10 of
     the 12 copied), then a draft; the copies' rows and starts give the same scores (and best keys) as
     the originals' absolute offsets."""
-    from hf_sparsespec.ops import score_layer, scoring_aside
+    from hf_sparsespec.ops import ScoringAside, score_layer
 
     group, spec, prefill, drafts = 3, 4, 5, 1  # 5 + 10 + 1 tokens: the 12th copy is clamped to the last token
     context_lens, q_lens = [37, 20, 53], [4, 4, 2]
@@ -360,8 +358,7 @@ def test_scoring_from_the_aside_copies_equals_scoring_in_line(device, backend):
         if aside:
             stores = (torch.full((2, 3 * spec, *query.shape[1:]), float("nan"), device=device),
                       torch.full((2, 3 * spec, lse.shape[1]), float("nan"), device=device))  # fmt: skip
-            copies = scoring_aside(None, *stores, step_starts, 3 * spec, step_query.shape[0])
-            copies = dataclasses.replace(copies, query=stores[0][1], lse=stores[1][1])  # layer 1's slices
+            copies = ScoringAside.for_step(None, *stores, step_starts, 3 * spec, step_query.shape[0]).for_layer(1)
         score_layer(backend, step_query, k_cache, page_table, step_starts, step_lse, num_old, scores, scale, slots,
                     spec, offsets=offsets if best is None else None, best=best, aside=copies)  # fmt: skip
         results.append((scores, offsets, best))
