@@ -132,3 +132,22 @@ def assert_same_decoding(engine_a, requests_a, engine_b, requests_b) -> None:
         torch.testing.assert_close(la.values, lb.values, rtol=0, atol=1e-5)
     num_slots = engine_a.layout.num_slots
     assert torch.equal(engine_a.runner.token_buffer[:num_slots], engine_b.runner.token_buffer[:num_slots])
+
+
+def assert_fused_draws_the_unfused_tokens(monkeypatch, owner, name: str, fused_property: str, generate, seed: int = 7):
+    """Sampling through a fused path (`owner.name`, a function of a module or a method of a class, is
+    counted) gives exactly the tokens of the processors-then-softmax path (`LogitsPipeline.<fused_property>`
+    turned off), under the same seed; returns the fused run's output."""
+    from hf_sparsespec.sampling import LogitsPipeline
+
+    calls = []
+    fused = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args: calls.append(1) or fused(*args))
+    torch.manual_seed(seed)
+    out = generate()
+    assert calls, f"the fused path {name} did not run"
+    monkeypatch.setattr(LogitsPipeline, fused_property, property(lambda self: None))
+    torch.manual_seed(seed)
+    unfused = generate()
+    assert torch.equal(getattr(out, "sequences", out), getattr(unfused, "sequences", unfused))
+    return out

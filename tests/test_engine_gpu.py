@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_greedy_equal, ragged_batch, tiny_model
+from models import assert_fused_draws_the_unfused_tokens, assert_greedy_equal, ragged_batch, tiny_model
 
 import hf_sparsespec  # noqa: F401  (registers the strategy)
 from hf_sparsespec import SparseSpecConfig
@@ -93,22 +93,13 @@ def test_temperature_only_sampling_fuses_the_softmax(k, min_new_tokens, runners,
     (`tempered_softmax`), and the keyed draws give the tokens of the unfused pipeline (processors,
     then torch.softmax)."""
     from hf_sparsespec.kernels.triton_backend import TritonBackend
-    from hf_sparsespec.sampling import LogitsPipeline
 
-    calls = []
-    fused = TritonBackend.tempered_softmax
-    monkeypatch.setattr(TritonBackend, "tempered_softmax", lambda self, *a: calls.append(1) or fused(self, *a))
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
     sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, min_new_tokens=min_new_tokens)
-    torch.manual_seed(7)
-    out = _generate(model, ids, mask, config, **sample)
-    assert calls
-    monkeypatch.setattr(LogitsPipeline, "fused_temperature", property(lambda self: None))
-    torch.manual_seed(7)
-    unfused = _generate(model, ids, mask, config, **sample)
-    assert torch.equal(out.sequences, unfused.sequences)
+    out = assert_fused_draws_the_unfused_tokens(monkeypatch, TritonBackend, "tempered_softmax", "fused_temperature",
+                                                lambda: _generate(model, ids, mask, config, **sample))  # fmt: skip
     if k:
         total = out.sparsespec_stats.total
         assert 0 < total.accepted_drafts < total.drafted_tokens
@@ -135,22 +126,13 @@ def test_top_k_top_p_sampling_skips_the_sort_with_graphs(k, runners, monkeypatch
     the probabilities come from `truncated_probs` (no sort of the vocabulary), and the keyed draws give
     the tokens of the processors-then-softmax path."""
     from hf_sparsespec import runner as runner_module
-    from hf_sparsespec.sampling import LogitsPipeline
 
-    calls = []
-    fused = runner_module.truncated_probs
-    monkeypatch.setattr(runner_module, "truncated_probs", lambda *a: calls.append(1) or fused(*a))
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
     sample = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
-    torch.manual_seed(7)
-    out = _generate(model, ids, mask, config, **sample)
-    assert calls
-    monkeypatch.setattr(LogitsPipeline, "fused_truncation", property(lambda self: None))
-    torch.manual_seed(7)
-    unfused = _generate(model, ids, mask, config, **sample)
-    assert torch.equal(out.sequences, unfused.sequences)
+    assert_fused_draws_the_unfused_tokens(monkeypatch, runner_module, "truncated_probs", "fused_truncation",
+                                          lambda: _generate(model, ids, mask, config, **sample))  # fmt: skip
     assert all(r.counters.graph_replays > 0 for r in runners)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_model
+from models import assert_fused_draws_the_unfused_tokens, tiny_model
 from transformers import GenerationConfig
 
 import hf_sparsespec
@@ -140,15 +140,8 @@ def test_fused_sampling_path_draws_the_pipelines_tokens(monkeypatch):
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=3, page_size=4)
     sample = dict(do_sample=True, temperature=0.8, top_k=0, top_p=1.0, min_new_tokens=12, max_new_tokens=24,
                   eos_token_id=7, generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
-    calls = []
-    fused = LogitsPipeline.ban_eos_in_place
-    monkeypatch.setattr(LogitsPipeline, "ban_eos_in_place", lambda self, *a: calls.append(1) or fused(self, *a))
-    torch.manual_seed(3)
-    out = model.generate(input_ids=ids, **sample)
-    assert calls
-    monkeypatch.setattr(LogitsPipeline, "fused_temperature", property(lambda self: None))
-    torch.manual_seed(3)
-    assert torch.equal(model.generate(input_ids=ids, **sample), out)
+    out = assert_fused_draws_the_unfused_tokens(monkeypatch, LogitsPipeline, "ban_eos_in_place", "fused_temperature",
+                                                lambda: model.generate(input_ids=ids, **sample), seed=3)  # fmt: skip
     assert (out[:, 6:18] != 7).all()
 
 
@@ -158,22 +151,14 @@ def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, monkey
     `truncated_probs` (no sort of the vocabulary) and draws exactly the tokens of the
     processors-then-softmax path."""
     from hf_sparsespec import runner as runner_module
-    from hf_sparsespec.sampling import LogitsPipeline
 
     model = tiny_model("qwen2")
     ids = torch.randint(1, 96, (4, 6), generator=torch.Generator().manual_seed(8))
     config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=3, page_size=4)
     sample = dict(do_sample=True, temperature=0.7, top_k=12, top_p=0.8, repetition_penalty=1.05, max_new_tokens=20,
                   generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
-    calls = []
-    fused = runner_module.truncated_probs
-    monkeypatch.setattr(runner_module, "truncated_probs", lambda *a: calls.append(1) or fused(*a))
-    torch.manual_seed(4)
-    out = model.generate(input_ids=ids, **sample)
-    assert calls
-    monkeypatch.setattr(LogitsPipeline, "fused_truncation", property(lambda self: None))
-    torch.manual_seed(4)
-    assert torch.equal(model.generate(input_ids=ids, **sample), out)
+    assert_fused_draws_the_unfused_tokens(monkeypatch, runner_module, "truncated_probs", "fused_truncation",
+                                          lambda: model.generate(input_ids=ids, **sample), seed=4)  # fmt: skip
 
 
 def test_overlap_scoring_is_ignored_without_cuda():

@@ -17,7 +17,7 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
 - `select_top_keys_into` (`top_keys.py`): the top B of each (row, KV head), straight into the
   selected-index store.
 
-The engine splits the refresh in two (`score_verification` / `select_verified_keys`): each layer's
+The engine splits the refresh in two (`pillar_scores_into` / `select_verified_keys`): each layer's
 attention scores into that layer's plane of a `[num_layers, rows, KV heads, width]` workspace, and
 after the forward one launch selects every layer's keys (and one stores every layer's moved keys).
 A top-B program's latency is its sweeps over a row's keys, and one layer has only rows x KV heads
@@ -347,30 +347,8 @@ def update_selection(
     `max_queries`: as in `pillar_scores_into` (the verification block size). `"diagonal"`: also the
     moved-key offsets into `offsets[slots]` (`[num_slots, num_kv_heads, num_entries]` int32), through
     the int64 workspace `best [num_rows, num_kv_heads, num_entries]` (zeros, and left zeroed)."""
-    if (offsets is None) != (best is None):
-        raise ValueError("offsets and best: expected both (the diagonal selection) or neither")
     pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries, best)
-    select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
-    if offsets is not None:
-        store_moved_offsets(best, num_old_keys, offsets, slots, query.shape[1] // k_cache.shape[2])
-
-
-def score_verification(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    query_start: torch.Tensor,
-    lse: torch.Tensor,
-    num_old_keys: torch.Tensor,
-    scores: torch.Tensor,
-    scale: float,
-    max_queries: int | None = None,
-    best: torch.Tensor | None = None,
-) -> None:
-    """One layer's half of the engine's refresh on Triton: that layer's scores into `scores [num_rows,
-    num_kv_heads, width]` (and, with `best`, its best keys per (query, head)), for
-    `select_verified_keys` after the forward. No host syncs."""
-    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries, best)
+    select_verified_keys(scores, num_old_keys, budgets, selected, slots, offsets, best, query.shape[1] // k_cache.shape[2])
 
 
 def select_verified_keys(
@@ -383,9 +361,10 @@ def select_verified_keys(
     best: torch.Tensor | None = None,  # [num_layers, num_rows, num_kv_heads, num_entries] int64
     group: int = 1,
 ) -> None:
-    """The other half on Triton: every layer's top keys into `selected[:, slots]` in one launch and,
-    for `"diagonal"`, every layer's moved-key offsets into `offsets[:, slots]` from `best` (left
-    zeroed) in another."""
+    """The engine's selection after the forward, on Triton (each layer scored by `pillar_scores_into`
+    into its plane): every layer's top keys into `selected[:, slots]` in one launch and, for
+    `"diagonal"`, every layer's moved-key offsets into `offsets[:, slots]` from `best` (left zeroed)
+    in another. Without the layer dimension (`update_selection`), one layer's."""
     if (offsets is None) != (best is None):
         raise ValueError("offsets and best: expected both (the diagonal selection) or neither")
     select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
@@ -405,7 +384,7 @@ def score_verification_ref(
     slots: torch.Tensor,
     offsets: torch.Tensor | None = None,
 ) -> None:
-    """Reference of `score_verification` (the CPU backend): `pillar_scores_ref` into `scores [num_rows,
+    """The reference backend's `score_verification`: `pillar_scores_ref` into `scores [num_rows,
     num_kv_heads, width]` (-inf from `num_old_keys[r]` on) and, given, `moved_offsets_ref`'s rows
     straight into `offsets[slots]` (the reference has no best-key workspace to carry them)."""
     scores.copy_(pillar_scores_ref(query, k_cache, page_table, query_start, lse, num_old_keys, scores.shape[2], scale))

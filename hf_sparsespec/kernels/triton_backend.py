@@ -15,7 +15,7 @@ import torch
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
 from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
-from hf_sparsespec.kernels.pillar_select import score_verification, select_verified_keys
+from hf_sparsespec.kernels.pillar_select import pillar_scores_into, select_verified_keys
 from hf_sparsespec.kernels.store_kv import store_kv
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax
 
@@ -43,7 +43,7 @@ class TritonBackend:
         max_queries=None, offsets=None, best=None,
     ) -> None:  # fmt: skip
         """`offsets` are written by `select_verified_keys`, from `best`."""
-        score_verification(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
+        pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
                            best)  # fmt: skip
 
     def select_verified_keys(
