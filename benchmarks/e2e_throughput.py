@@ -16,7 +16,9 @@ Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per sh
 (`compile_forward=True`, warmed first),
 `adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), any of
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
-finish with plain one-token steps), and the ablation ladder of the paper:
+finish with plain one-token steps), `induction_diagonal_overlap` (`overlap_scoring=True`; and
+`_compiled`), any of our runs with `_unfused` appended last (the logits pipeline's fused paths off:
+transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
 
@@ -72,6 +74,7 @@ from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
+from hf_sparsespec.sampling import LogitsPipeline
 
 HBM_BYTES_PER_S = 4.26e12
 BF16_FLOPS_PER_S = 790e12
@@ -100,8 +103,25 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
 }
 
 
+@contextlib.contextmanager
+def unfused_sampling(active: bool):
+    """With `active`, the logits pipeline's fused paths off (`fused_temperature`, `fused_truncation`):
+    transformers' processors, then torch.softmax, as before them (the `<run>_unfused` runs)."""
+    if not active:
+        yield
+        return
+    saved = LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation
+    LogitsPipeline.fused_temperature = LogitsPipeline.fused_truncation = property(lambda self: None)
+    try:
+        yield
+    finally:
+        LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation = saved
+
+
 def run_fields(run: str, args) -> dict:
-    """SparseSpecConfig fields of a run name: SELECTIONS, and `<run>_tail` adds `plain_tail_rows`."""
+    """SparseSpecConfig fields of a run name: SELECTIONS, and `<run>_tail` adds `plain_tail_rows`
+    (`_unfused`, last, changes no field: see `unfused_sampling`)."""
+    run = run.removesuffix("_unfused")
     if run.endswith("_tail"):
         return SELECTIONS[run.removesuffix("_tail")] | dict(plain_tail_rows=args.plain_tail_rows)
     return SELECTIONS[run]
@@ -414,15 +434,16 @@ def main() -> None:
                 if pages.startswith("1/"):
                     pages = pool_for_a_fraction(model, prompts, n, 1 / int(pages[2:]), config)
                 config = dataclasses.replace(config, num_pages=int(pages))
-            if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
-                # dynamo's compilation with compile_forward); graphs are per call and are captured again
-                started = time.perf_counter()
-                short = GenerationConfig(**{**settings, "max_new_tokens": min(48, n), "min_new_tokens": min(48, n)})
-                hf_sparsespec.generate_batch(model, prompts, short, config)
-                print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
-            # the AR mode (no drafts) scores nothing: its rows are verifications of one token, unscored
-            scored = config.selection in SCORED_SELECTIONS and config.num_draft_tokens > 0
-            result = run_ours(model, prompts, gen_config, config, pillar=scored)
+            with unfused_sampling(run.endswith("_unfused")):
+                if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
+                    # dynamo's compilation with compile_forward); graphs are per call and are captured again
+                    started = time.perf_counter()
+                    short = GenerationConfig(**{**settings, "max_new_tokens": min(48, n), "min_new_tokens": min(48, n)})
+                    hf_sparsespec.generate_batch(model, prompts, short, config)
+                    print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
+                # the AR mode (no drafts) scores nothing: its rows are verifications of one token, unscored
+                scored = config.selection in SCORED_SELECTIONS and config.num_draft_tokens > 0
+                result = run_ours(model, prompts, gen_config, config, pillar=scored)
             outputs[label] = result.pop("outputs"), set(result["offloaded"])
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:

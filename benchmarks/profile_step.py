@@ -19,7 +19,6 @@ Prints a table last; `--out` writes it as JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from collections import defaultdict
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from e2e_throughput import SELECTIONS
+from e2e_throughput import SELECTIONS, unfused_sampling
 from loading import add_model_arguments, load_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
@@ -36,7 +35,6 @@ from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.attention import use_attention
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
-from hf_sparsespec.sampling import LogitsPipeline
 
 
 def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, float, float]]]:
@@ -49,21 +47,6 @@ def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, f
     rows = sorted(((name, total / iterations, counts[name] / iterations) for name, total in totals.items()),
                   key=lambda row: -row[1])  # fmt: skip
     return sum(totals.values()) / iterations, sum(counts.values()) / iterations, rows
-
-
-@contextlib.contextmanager
-def unfused_sampling(active: bool):
-    """With `active`, the logits pipeline's fused paths off (`fused_temperature`, `fused_truncation`):
-    transformers' processors, then torch.softmax, as before them (the `<run>_unfused` runs)."""
-    if not active:
-        yield
-        return
-    saved = LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation
-    LogitsPipeline.fused_temperature = LogitsPipeline.fused_truncation = property(lambda self: None)
-    try:
-        yield
-    finally:
-        LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation = saved
 
 
 def measure(model, prompts, args, run: str) -> dict:
