@@ -19,6 +19,7 @@ Prints a table last; `--out` writes it as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import defaultdict
@@ -119,7 +120,9 @@ def _measure(model, prompts, args, run: str) -> dict:
                 kernel_ms_per_iteration=kernel_ms, launches_per_iteration=launches, kernels=table[: args.top]
             )
     result["graphs_captured"] = runner.counters.graphs_captured
-    del engine, job
+    del runner.run  # the wrapper closes over the runner: a cycle that would keep the pool alive
+    del engine, job, runner
+    gc.collect()  # before the next run sizes its pool (a pool left alive made later captures run out of memory)
     torch.cuda.empty_cache()
     return result
 

@@ -15,6 +15,7 @@ runs t (a verifying request sits that one iteration out).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -47,7 +48,10 @@ STRIDE_ALIGNMENT = 16
 def free_device_memory(device: torch.device) -> int:
     """Bytes a new KV pool may take: the device's free memory plus what PyTorch's caching allocator holds
     unused (a previous call's freed pool stays reserved there, invisible to `mem_get_info`, until
-    `torch.cuda.empty_cache()`; without it a second `generate` in a notebook would size a smaller pool)."""
+    `torch.cuda.empty_cache()`; without it a second `generate` in a notebook would size a smaller pool).
+    A garbage collection first: a previous engine that only a reference cycle keeps alive still holds
+    its pool until the collector runs."""
+    gc.collect()
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 

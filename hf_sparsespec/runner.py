@@ -35,7 +35,7 @@ from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
 from hf_sparsespec.ops import ScoringAside, scoring_stream
-from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled, truncated_probs
+from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -381,8 +381,13 @@ class ModelRunner:
             logits = self.pipeline.ban_eos_in_place(logits, rows)
             scores, probs = None, self.backend.tempered_softmax(logits, temperature)
         elif self.do_sample and truncation is not None:  # top-k / top-p without sorting the vocabulary
-            scores = self.pipeline(logits.float(), self.token_buffer, rows, truncation.num_history_steps)
-            scores, probs = None, truncated_probs(scores, truncation)
+            t = truncation
+            if t.bans_only:  # in place on the model's logits, as the temperature-only path
+                history = self.pipeline.ban_eos_in_place(logits, rows)
+            else:
+                history = self.pipeline(logits.float(), self.token_buffer, rows, t.num_history_steps)
+            probs = self.backend.truncated_softmax(history, t.temperature, t.top_k, t.top_p, t.min_tokens_to_keep)
+            scores = None
         else:
             scores = self.pipeline(logits.float(), self.token_buffer, rows)
             probs = torch.softmax(scores, dim=-1) if self.do_sample else None

@@ -167,8 +167,8 @@ class LogitsPipeline:
 
     @property
     def fused_truncation(self) -> Truncation | None:
-        """How sampling may skip transformers' sort of the whole vocabulary (`truncated_probs`): for a
-        pipeline of history steps (min-length, repetition penalty; applied first, as usual), then at most
+        """How sampling may skip transformers' sort of the whole vocabulary (the backend's `truncated_softmax`):
+        for a pipeline of history steps (min-length, repetition penalty; applied first, as usual), then at most
         one each of temperature, top-k and top-p in transformers' order, top-k present (at most
         `MAX_FUSED_TOP_K`), both truncations filtering to -inf. None for any other pipeline."""
         warpers = {lp.TemperatureLogitsWarper: "temperature", lp.TopKLogitsWarper: "top_k", lp.TopPLogitsWarper: "top_p"}
@@ -187,7 +187,7 @@ class LogitsPipeline:
             return None
         temperature = float(found["temperature"].temperature) if "temperature" in found else 1.0
         return Truncation(first, temperature, int(top_k.top_k), float(top_p.top_p) if top_p else 1.0,
-                          int(top_p.min_tokens_to_keep) if top_p else 1)  # fmt: skip
+                          int(top_p.min_tokens_to_keep) if top_p else 1, set(head) <= {"min_length"})  # fmt: skip
 
     def ban_eos_in_place(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
         """The min-length steps alone, in place on `logits [num_logits, vocab]` (any float dtype)."""
@@ -258,43 +258,7 @@ class Truncation:
     top_k: int
     top_p: float
     min_tokens_to_keep: int  # top-p's
-
-
-def truncated_probs(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
-    """transformers' temperature -> `TopKLogitsWarper` -> `TopPLogitsWarper` -> softmax on `scores
-    [rows, vocab]` float32 (the history steps applied), without sorting the vocabulary.
-
-    - Top-k keeps every token at or above the k-th largest score, ties included (as transformers).
-    - Top-p: transformers sorts all scores ascending and drops the tokens whose cumulative probability
-      is <= 1 - top_p, i.e. keeps a token iff the probability of the tokens above it is < top_p. Only
-      the top-k candidates can be kept, so that mass is summed over the k candidates (sorted by
-      `torch.topk`), tokens of equal score sharing the mass strictly above them.
-    - The same distribution up to float rounding. Two cases can differ at the top-p boundary:
-      - a token whose mass above lies within rounding of top_p (our sum runs from the top,
-        transformers' cumulative sum from the bottom);
-      - equal scores straddling the boundary: transformers' unstable sort keeps an arbitrary part of
-        them, this keeps all.
-
-    One `torch.topk` over the vocabulary and a few elementwise passes, no host syncs (graph-safe);
-    transformers' top-p sorts the whole vocabulary of every row."""
-    if truncation.temperature != 1.0:
-        scores = scores / truncation.temperature  # as TemperatureLogitsWarper (it is absent at 1.0)
-    top_k = min(truncation.top_k, scores.shape[-1])
-    head = torch.topk(scores, top_k, dim=-1).values  # [rows, k], descending
-    best, kth = head[:, :1], head[:, -1:]
-    weights = torch.exp(scores - best).masked_fill_(scores < kth, 0.0)  # top-k's softmax, unnormalised
-    if truncation.top_p < 1.0:
-        head_weights = torch.exp(head - best)
-        # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
-        above = torch.cumsum(head_weights, dim=-1) - head_weights
-        negated = -head  # ascending, as searchsorted wants
-        first = torch.searchsorted(negated, negated, side="left")
-        above = above.gather(1, first) / weights.sum(dim=-1, keepdim=True)
-        keep = above < truncation.top_p
-        keep[:, : min(truncation.min_tokens_to_keep, top_k)] = True
-        threshold = torch.where(keep, head, float("inf")).amin(dim=-1, keepdim=True)
-        weights.masked_fill_(scores < threshold, 0.0)
-    return weights / weights.sum(dim=-1, keepdim=True)
+    bans_only: bool  # the history steps only ban eos (`ban_eos_in_place` on the model's logits will do)
 
 
 def _repetition_penalty(penalty: float, scores, token_buffer, rows: LogitsRows, ignore: torch.Tensor) -> torch.Tensor:

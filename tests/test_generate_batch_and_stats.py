@@ -145,20 +145,25 @@ def test_fused_sampling_path_draws_the_pipelines_tokens(monkeypatch):
     assert (out[:, 6:18] != 7).all()
 
 
+@pytest.mark.parametrize("history", ["repetition-penalty", "min-new-tokens"])
 @pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
-def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, monkeypatch):
-    """A model card's sampling (repetition penalty, temperature, top-k, top-p): the engine takes
-    `truncated_probs` (no sort of the vocabulary) and draws exactly the tokens of the
+def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, history, monkeypatch):
+    """A model card's sampling (temperature, top-k, top-p after a repetition penalty, or after the
+    min-length ban that runs in place on the model's logits): the engine takes the backend's
+    `truncated_softmax` (no sort of the vocabulary) and draws exactly the tokens of the
     processors-then-softmax path."""
-    from hf_sparsespec import runner as runner_module
+    from hf_sparsespec.kernels.backend import TorchBackend
 
     model = tiny_model("qwen2")
     ids = torch.randint(1, 96, (4, 6), generator=torch.Generator().manual_seed(8))
     config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=3, page_size=4)
-    sample = dict(do_sample=True, temperature=0.7, top_k=12, top_p=0.8, repetition_penalty=1.05, max_new_tokens=20,
-                  generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
-    assert_fused_draws_the_unfused_tokens(monkeypatch, runner_module, "truncated_probs", "fused_truncation",
-                                          lambda: model.generate(input_ids=ids, **sample), seed=4)  # fmt: skip
+    extra = dict(repetition_penalty=1.05) if history == "repetition-penalty" else dict(min_new_tokens=12, eos_token_id=7)
+    sample = dict(do_sample=True, temperature=0.7, top_k=12, top_p=0.8, max_new_tokens=20,
+                  generation_strategy="sparsespec", sparsespec_config=config, **extra)  # fmt: skip
+    out = assert_fused_draws_the_unfused_tokens(monkeypatch, TorchBackend, "truncated_softmax", "fused_truncation",
+                                                lambda: model.generate(input_ids=ids, **sample), seed=4)  # fmt: skip
+    if history == "min-new-tokens":
+        assert (out[:, 6:18] != 7).all()
 
 
 def test_overlap_scoring_is_ignored_without_cuda():

@@ -1,4 +1,4 @@
-"""`truncated_probs`: transformers' temperature -> top-k -> top-p -> softmax without sorting the
+"""`truncated_softmax_ref` (the torch backend's, and the Triton kernel's reference): transformers' temperature -> top-k -> top-p -> softmax without sorting the
 vocabulary, against the processors themselves: the same support and probabilities where no tie
 straddles the top-p boundary, every token tied at the k-th score kept (as transformers), and at a
 tied top-p boundary the whole tie group kept (transformers' unstable sort keeps an arbitrary part of
@@ -11,7 +11,8 @@ import torch
 import transformers.generation.logits_process as lp
 from transformers import LogitsProcessorList
 
-from hf_sparsespec.sampling import MAX_FUSED_TOP_K, LogitsPipeline, truncated_probs
+from hf_sparsespec.kernels.tempered_softmax import truncated_softmax_ref
+from hf_sparsespec.sampling import MAX_FUSED_TOP_K, LogitsPipeline
 
 
 def _processors(temperature: float, top_k: int, top_p: float, keep: int) -> list:
@@ -20,6 +21,11 @@ def _processors(temperature: float, top_k: int, top_p: float, keep: int) -> list
     if top_p < 1.0:
         processors.append(lp.TopPLogitsWarper(top_p, min_tokens_to_keep=keep))
     return processors
+
+
+def truncated_probs(scores: torch.Tensor, truncation) -> torch.Tensor:
+    t = truncation
+    return truncated_softmax_ref(scores, t.temperature, t.top_k, t.top_p, t.min_tokens_to_keep)
 
 
 def _reference(processors: list, scores: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,8 @@ def test_fused_truncation_takes_only_the_pipelines_it_reproduces():
     top_k, top_p, temperature = lp.TopKLogitsWarper(20), lp.TopPLogitsWarper(0.9), lp.TemperatureLogitsWarper(0.7)
     truncation = LogitsPipeline([min_new, penalty, temperature, top_k, top_p]).fused_truncation
     assert (truncation.num_history_steps, truncation.temperature, truncation.top_k, truncation.top_p) == (2, 0.7, 20, 0.9)
+    assert not truncation.bans_only  # the penalty needs the float scores
+    assert LogitsPipeline([min_new, temperature, top_k]).fused_truncation.bans_only
     assert LogitsPipeline([top_k]).fused_truncation.top_p == 1.0
     for pipeline in (
         [temperature],  # no top-k: tempered_softmax's case

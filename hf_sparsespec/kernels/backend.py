@@ -9,8 +9,8 @@ once per step `select_verified_keys` (every layer's top keys into the selected-i
 `"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
-acceptance tests' uniforms), and `tempered_softmax` (the sampling distributions when temperature is
-the only logits processor). The Triton calls never read device memory back (CUDA-graph safe).
+acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
+the only logits processor) and `truncated_softmax` (temperature -> top-k -> top-p, no vocabulary sort). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_r
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
-from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref
+from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref, truncated_softmax_ref
 
 
 class AttentionBackend(Protocol):
@@ -53,6 +53,8 @@ class AttentionBackend(Protocol):
     def keyed_uniform(self, keys) -> torch.Tensor: ...
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor: ...
+
+    def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor: ...
 
 
 class TorchBackend:
@@ -98,6 +100,9 @@ class TorchBackend:
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor:
         return tempered_softmax_ref(logits, temperature)
+
+    def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
+        return truncated_softmax_ref(logits, temperature, top_k, top_p, min_tokens_to_keep)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

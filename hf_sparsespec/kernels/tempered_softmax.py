@@ -35,6 +35,47 @@ def tempered_softmax_ref(logits: torch.Tensor, temperature: float) -> torch.Tens
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+def truncated_softmax_ref(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
+) -> torch.Tensor:
+    """transformers' temperature -> `TopKLogitsWarper` -> `TopPLogitsWarper` -> softmax on `logits
+    [rows, vocab]` (any float dtype, the history processors applied), in float32, without sorting the
+    vocabulary (`LogitsPipeline.fused_truncation` says when the engine may use it).
+
+    - Top-k keeps every token at or above the k-th largest score, ties included (as transformers).
+    - Top-p: transformers sorts all scores ascending and drops the tokens whose cumulative probability
+      is <= 1 - top_p, i.e. keeps a token iff the probability of the tokens above it is < top_p. Only
+      the top-k candidates can be kept, so that mass is summed over the k candidates (sorted by
+      `torch.topk`), tokens of equal score sharing the mass strictly above them.
+    - The same distribution up to float rounding. Two cases can differ at the top-p boundary:
+      - a token whose mass above lies within rounding of top_p (our sum runs from the top,
+        transformers' cumulative sum from the bottom);
+      - equal scores straddling the boundary: transformers' unstable sort keeps an arbitrary part of
+        them, this keeps all.
+
+    One `torch.topk` over the vocabulary and a few elementwise passes, no host syncs (graph-safe);
+    transformers' top-p sorts the whole vocabulary of every row."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature  # as TemperatureLogitsWarper (it is absent at 1.0)
+    top_k = min(top_k, scores.shape[-1])
+    head = torch.topk(scores, top_k, dim=-1).values  # [rows, k], descending
+    best, kth = head[:, :1], head[:, -1:]
+    weights = torch.exp(scores - best).masked_fill_(scores < kth, 0.0)  # top-k's softmax, unnormalised
+    if top_p < 1.0:
+        head_weights = torch.exp(head - best)
+        # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
+        above = torch.cumsum(head_weights, dim=-1) - head_weights
+        negated = -head  # ascending, as searchsorted wants
+        first = torch.searchsorted(negated, negated, side="left")
+        above = above.gather(1, first) / weights.sum(dim=-1, keepdim=True)
+        keep = above < top_p
+        keep[:, : min(min_tokens_to_keep, top_k)] = True
+        threshold = torch.where(keep, head, float("inf")).amin(dim=-1, keepdim=True)
+        weights.masked_fill_(scores < threshold, 0.0)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
 @triton.jit
 def _softmax_partials_kernel(
     logits_ptr,  # [num_rows, vocab]
@@ -133,5 +174,125 @@ def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     _softmax_write_kernel[(num_rows, num_splits)](
         logits, maxima, sums, probs, vocab, split_size, logits.stride(0), probs.stride(0), temperature,
         BLOCK_V=block, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=warps,
+    )  # fmt: skip
+    return probs
+
+
+@triton.jit
+def _truncated_partials_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    kth_ptr,  # [num_rows] fp32: the k-th largest logit (tokens at or above it survive top-k)
+    best_ptr,  # [num_rows] fp32: the largest logit / temperature
+    sum_ptr,  # [num_rows, num_splits] fp32
+    vocab,
+    split_size,
+    stride_row,
+    temperature,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    kth = tl.load(kth_ptr + row)
+    best = tl.load(best_ptr + row)
+    offs = tl.arange(0, BLOCK_V)
+    first = split * split_size
+    last = tl.minimum(first + split_size, vocab)
+    total = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(first, last, BLOCK_V):
+        index = start + offs
+        x = tl.load(logits_ptr + row * stride_row + index, mask=index < last, other=float("-inf")).to(tl.float32)
+        total += tl.where(x >= kth, tl.exp2((x / temperature - best) * _LOG2E), 0.0)
+    tl.store(sum_ptr + row * tl.num_programs(1) + split, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _truncated_write_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    threshold_ptr,  # [num_rows] fp32: the smallest logit kept
+    best_ptr,  # [num_rows] fp32
+    norm_ptr,  # [num_rows] fp32: the kept tokens' sum of exp(x / T - best)
+    probs_ptr,  # [num_rows, vocab] fp32
+    vocab,
+    split_size,
+    stride_row,
+    stride_probs_row,
+    temperature,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    threshold = tl.load(threshold_ptr + row)
+    best = tl.load(best_ptr + row)
+    inv_norm = 1.0 / tl.load(norm_ptr + row)
+    offs = tl.arange(0, BLOCK_V)
+    first = split * split_size
+    last = tl.minimum(first + split_size, vocab)
+    for start in range(first, last, BLOCK_V):
+        index = start + offs
+        mask = index < last
+        x = tl.load(logits_ptr + row * stride_row + index, mask=mask, other=float("-inf")).to(tl.float32)
+        p = tl.where(x >= threshold, tl.exp2((x / temperature - best) * _LOG2E) * inv_norm, 0.0)
+        tl.store(probs_ptr + row * stride_probs_row + index, p, mask=mask)
+
+
+def truncated_softmax(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
+) -> torch.Tensor:
+    """Triton `truncated_softmax_ref`: temperature -> top-k -> top-p -> softmax, in float32, straight
+    from the model's logits (bf16 on the GPU).
+
+    `torch.topk` over the raw logits finds each row's k best (the temperature does not reorder them);
+    one pass sums top-k's softmax over every token at or above the k-th (ties beyond the k included);
+    top-p's cut is found among the k candidates, as the reference does; a second pass writes the
+    probabilities of the tokens at or above the cut. Tokens are kept by comparing raw logits, so a
+    float32 logit below the k-th that the division by T would round onto it stays out (the reference
+    keeps it); bf16 and fp16 logits never round together. No host syncs (CUDA-graph safe).
+
+    Args:
+        logits: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
+        temperature: a float > 0. top_k: >= 1 (more than the vocabulary keeps it all).
+        top_p: in [0, 1] (1.0: no top-p). min_tokens_to_keep: top-p keeps at least this many.
+    Returns:
+        `[num_rows, vocab]` float32 probabilities.
+    """
+    check_tensor("logits", logits, ndim=2, dtypes=HALF_AND_FLOAT, device=logits.device)
+    if not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k!r}")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"top_p: expected a float in [0, 1], got {top_p!r}")
+    num_rows, vocab = logits.shape
+    probs = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
+    if num_rows == 0 or vocab == 0:
+        return probs
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    temperature = float(temperature)
+    head_logits = torch.topk(logits, min(top_k, vocab), dim=-1).values.float()  # [rows, k], descending
+    head = head_logits / temperature if temperature != 1.0 else head_logits
+    best, kth = head[:, 0].contiguous(), head_logits[:, -1].contiguous()
+    block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)
+    sums = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    warps = 4 if block >= 1024 else 1
+    _truncated_partials_kernel[(num_rows, num_splits)](
+        logits, kth, best, sums, vocab, split_size, logits.stride(0), temperature, BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+    top_k_norm = sums.sum(dim=1)
+    threshold, norm = kth, top_k_norm
+    if top_p < 1.0:
+        head_weights = torch.exp(head - best[:, None])
+        # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
+        above = torch.cumsum(head_weights, dim=-1) - head_weights
+        negated = -head_logits  # ascending, as searchsorted wants
+        above = above.gather(1, torch.searchsorted(negated, negated, side="left")) / top_k_norm[:, None]
+        keep = above < top_p
+        keep[:, : min(min_tokens_to_keep, keep.shape[1])] = True
+        threshold = torch.where(keep, head_logits, float("inf")).amin(dim=-1)
+        # a cut above the k-th keeps candidates only; at the k-th, every tie of it (the pass's sum)
+        kept_norm = torch.where(head_logits >= threshold[:, None], head_weights, 0.0).sum(dim=-1)
+        norm = torch.where(threshold > kth, kept_norm, top_k_norm)
+    _truncated_write_kernel[(num_rows, num_splits)](
+        logits, threshold, best, norm, probs, vocab, split_size, logits.stride(0), probs.stride(0), temperature,
+        BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
     return probs

@@ -17,7 +17,7 @@ from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, posi
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import pillar_scores_into, select_verified_keys
 from hf_sparsespec.kernels.store_kv import store_kv
-from hf_sparsespec.kernels.tempered_softmax import tempered_softmax
+from hf_sparsespec.kernels.tempered_softmax import tempered_softmax, truncated_softmax
 
 
 class TritonBackend:
@@ -62,3 +62,6 @@ class TritonBackend:
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor:
         return tempered_softmax(logits, temperature)
+
+    def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
+        return truncated_softmax(logits, temperature, top_k, top_p, min_tokens_to_keep)

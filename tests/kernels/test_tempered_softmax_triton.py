@@ -1,7 +1,12 @@
 """tempered_softmax (Triton) against `softmax(logits.float() / T)` (float32): rows fewer and more than
 the device's programs (split and unsplit vocabularies), vocabularies across block edges, masked
 tokens (-inf) including a whole split of them, half-precision logits, strided rows; the pipeline's
-test of when the engine may use it, and the fused path against the processors then softmax."""
+test of when the engine may use it, and the fused path against the processors then softmax.
+
+truncated_softmax (Triton: temperature -> top-k -> top-p -> softmax) against `truncated_softmax_ref`
+(itself tested against transformers' processors in tests/test_truncated_sampling.py): the same kept
+tokens and probabilities over the same shapes, with ties at the k-th logit beyond the k, a tie group
+on the top-p boundary, masked tokens, more candidates than finite logits, and min_tokens_to_keep."""
 
 from __future__ import annotations
 
@@ -11,7 +16,12 @@ from kernel_cases import poison_outputs  # noqa: F401
 from transformers.generation import logits_process as lp
 
 from hf_sparsespec.kernels import tempered_softmax as module
-from hf_sparsespec.kernels.tempered_softmax import tempered_softmax, tempered_softmax_ref
+from hf_sparsespec.kernels.tempered_softmax import (
+    tempered_softmax,
+    tempered_softmax_ref,
+    truncated_softmax,
+    truncated_softmax_ref,
+)
 from hf_sparsespec.sampling import LogitsPipeline
 
 
@@ -79,3 +89,69 @@ def test_fused_path_equals_the_pipeline_then_softmax(dtype):
     assert torch.equal(fused, expected)
     banned = torch.tensor([True, False, True, True, False, False])
     assert (fused[banned][:, [2, 7]] == 0).all() and (fused[~banned][:, [2, 7]] > 0).all()
+
+
+def _assert_same_truncation(got, expected):
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 97), (5, 5000), (3, 13000), (70, 4100)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, keep", [(0.65, 20, 0.8, 1), (1.0, 1, 1.0, 1), (1.7, 50, 1.0, 1), (0.65, 200, 0.95, 1),
+                                        (1.0, 7, 0.0, 3), (0.8, 5000, 0.5, 1)]
+)  # fmt: skip
+def test_truncated_matches_reference(device, rows, vocab, temperature, top_k, top_p, keep):
+    """Distinct logits with masked tokens (a whole split of them in the wide vocabulary); top_k from 1 to
+    more than the vocabulary, top_p off, ordinary and 0 (min_tokens_to_keep only)."""
+    generator = torch.Generator().manual_seed(rows * vocab + top_k)
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    logits[:, 1::7] = float("-inf")
+    if vocab > 8192:
+        logits[1, 4096:8192] = float("-inf")
+    for dtype in _dtypes(device):
+        x = logits.to(dtype).to(device)
+        expected = truncated_softmax_ref(x, temperature, top_k, top_p, keep)
+        _assert_same_truncation(truncated_softmax(x, temperature, top_k, top_p, keep), expected)
+        if top_k < vocab and dtype == torch.float32:  # at most top_k kept (half precision has ties)
+            assert ((expected > 0).sum(-1) <= top_k).all()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.6])
+def test_truncated_ties_at_the_kth_and_on_the_top_p_boundary(device, top_p):
+    """Integer logits: every token tied with the k-th is kept (more than k, across splits of the wide
+    row), and a tie group straddling top-p's boundary is kept whole, as the reference."""
+    vocab = 9000
+    logits = torch.full((4, vocab), -6.0)
+    logits[:, :3] = torch.tensor([4.0, 3.0, 2.0])
+    logits[0, [10, 2000, 4500, 8999]] = 1.0  # with k = 5: the 4th to 7th largest tie with the k-th
+    logits[1, [5, 6, 7]] = 2.0  # a group of 4 tied at 2 (the 3rd-6th largest): k = 5 cuts into it
+    logits[2, 100:140] = 0.0  # 40 tokens tied at the k-th
+    logits[3, 3:9] = 3.0  # seven tied at 3 (on the top-p boundary of 0.6 and 0.9)
+    for dtype in _dtypes(device):
+        x = logits.to(dtype).to(device)
+        expected = truncated_softmax_ref(x, 1.0, 5, top_p, 1)
+        got = truncated_softmax(x, 1.0, 5, top_p, 1)
+        _assert_same_truncation(got, expected)
+        if top_p == 1.0:
+            assert (got > 0).sum(-1).tolist() == [7, 6, 43, 8]
+
+
+def test_truncated_candidates_beyond_the_finite_logits_and_strided_rows(device, monkeypatch):
+    """top_k larger than a row's finite logits keeps them all (the k-th is -inf); rows of a larger
+    buffer; one program per row; bad arguments."""
+    logits = torch.randn(12, 3000, generator=torch.Generator().manual_seed(5)).to(device) * 3
+    logits[3, 10:] = float("-inf")  # row 1 of the view: 10 finite logits
+    view = logits[::3]
+    for top_p in (1.0, 0.7):
+        expected = truncated_softmax_ref(view, 0.7, 40, top_p, 1)
+        _assert_same_truncation(truncated_softmax(view, 0.7, 40, top_p, 1), expected)
+        monkeypatch.setattr(module, "SOFTMAX_PROGRAMS_PER_SM", 0)  # no split
+        _assert_same_truncation(truncated_softmax(view, 0.7, 40, top_p, 1), expected)
+        monkeypatch.undo()
+    assert (truncated_softmax(view, 0.7, 40)[1, :10] > 0).all()
+    assert truncated_softmax(view[:0], 0.7, 40).shape == (0, 3000)
+    for bad in (dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            truncated_softmax(view, **(dict(temperature=0.7, top_k=40) | bad))

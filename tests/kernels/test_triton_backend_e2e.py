@@ -32,3 +32,22 @@ def test_greedy_sparsespec_on_triton_backend_matches_generate(device, selection)
     assert total.cycles > 0
     if selection == "dense":
         assert total.accepted_drafts == total.drafted_tokens > 0
+
+
+def test_top_k_top_p_sampling_on_triton_backend_draws_the_unfused_tokens(device, monkeypatch):
+    """Sampling with a model card's top-k / top-p after a min-length ban: the Triton `truncated_softmax`
+    (the ban in place on the logits) draws exactly the tokens of the processors-then-softmax path."""
+    from models import assert_fused_draws_the_unfused_tokens
+
+    from hf_sparsespec.kernels.triton_backend import TritonBackend
+
+    model = tiny_model("qwen2").float().to(device)
+    ids, mask = (x.to(device) for x in ragged_batch([9, 14]))
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, backend="triton")
+    sample = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, min_new_tokens=12, eos_token_id=7,
+                  max_new_tokens=12, generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
+    out = assert_fused_draws_the_unfused_tokens(
+        monkeypatch, TritonBackend, "truncated_softmax", "fused_truncation",
+        lambda: model.generate(input_ids=ids, attention_mask=mask, **sample),
+    )  # fmt: skip
+    assert (out[:, 14:] != 7).all()
