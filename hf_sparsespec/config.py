@@ -130,7 +130,9 @@ class SparseSpecConfig:
             copied aside first (layers x requests x (k + 1) x query heads x (head_dim x dtype + 4)
             bytes, taken out of the KV pool's share), then every layer's scores join the main stream
             before the selection. Outputs are unchanged. CUDA with the Triton backend only (ignored
-            elsewhere). Off by default: its speed is not measured yet.
+            elsewhere). Off by default: on the H200 it made a 256-row iteration at 8K contexts slower,
+            14.09 against 13.46 ms (the copies, and a second stream competing for the SMs the GEMMs
+            and the attention already fill; docs/measurements.md 17).
     """
 
     num_draft_tokens: int = 8
