@@ -10,7 +10,8 @@ once per step `select_verified_keys` (every layer's top keys into the selected-i
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
 acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
-the only logits processor) and `truncated_softmax` (temperature -> top-k -> top-p, no vocabulary sort). The Triton calls never read device memory back (CUDA-graph safe).
+the only logits processor) and `truncated_softmax` (temperature -> top-k -> top-p without sorting
+the vocabulary). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations

@@ -15,6 +15,15 @@ fixed by the shapes (CUDA-graph safe):
   `exp(x - max)` over its split;
 - `_softmax_write_kernel`: each program folds its row's partials into the row's maximum and sum, then
   writes `exp(x - max) / sum` over its split.
+
+`truncated_softmax` (`LogitsPipeline.fused_truncation`: temperature -> top-k -> top-p, the models' own
+sampling configs) takes the same pair of passes around one `torch.topk`: the candidates give the row's
+maximum and the k-th logit, `_truncated_partials_kernel` sums top-k's softmax over every token at or
+above the k-th (ties beyond the k included), top-p's cut is found among the candidates, and
+`_truncated_write_kernel` writes the kept tokens' probabilities. transformers' top-p sorts every row's
+whole vocabulary: at 256 rows x 8K contexts a SparseSpec iteration took 21.88 ms through the
+processors, 15.51 ms with a torch-only version of this path, 13.46 ms with this one (H200,
+docs/measurements.md 17).
 """
 
 from __future__ import annotations
