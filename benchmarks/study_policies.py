@@ -51,6 +51,17 @@ def quest_bound(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tenso
 
 
 POOLS = ("mean", "max", "headmax", "late")  # how PillarAttn's score pools a block's attention (VerifyView)
+# also `split<keys>` and `running<keys>`: the mean as a verification attention split into key ranges
+# of that size could accumulate it in one pass (`VerifyView.split_pooled`)
+ONE_PASS_POOLS = ("split", "running")
+KEY_BLOCK = 64  # keys per block of the attention kernel's inner loop (`running<keys>`)
+
+
+def check_pool(pool: str) -> None:
+    kind = next((k for k in ONE_PASS_POOLS if pool.startswith(k)), None)
+    size = pool.removeprefix(kind) if kind else ""
+    if pool not in POOLS and not (size.isdigit() and int(size) > 0):
+        raise ValueError(f"pool: expected one of {POOLS} or split<keys> / running<keys>, got {pool!r}")
 
 
 @dataclass
@@ -66,7 +77,8 @@ class VerifyView:
         not old. `pool`: `"mean"` over both (PillarAttn), `"max"` over both, `"headmax"` the mean over
         the queries then the max over the heads (a key one head needs is not diluted by the others),
         `"late"` a mean weighting query i of the block by i + 1 (the latest queries are the nearest
-        to the next cycle's drafts)."""
+        to the next cycle's drafts), `"split<keys>"` / `"running<keys>"` the mean as `split_pooled`
+        approximates it."""
         if pool == "mean":
             scores = self.probs.mean(dim=(2, 3))
         elif pool == "max":
@@ -77,9 +89,42 @@ class VerifyView:
             weight = torch.arange(1, self.probs.shape[3] + 1, device=self.probs.device, dtype=self.probs.dtype)
             scores = (self.probs * (weight / weight.sum())[:, None]).sum(dim=3).mean(dim=2)
         else:
-            raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
+            check_pool(pool)
+            running = pool.startswith("running")
+            scores = self.split_pooled(int(pool.removeprefix("running" if running else "split")), running)
         old = torch.arange(scores.shape[-1], device=scores.device)[None, :] < self.block_start[:, None]
         return scores.masked_fill(~old[:, None, :], float("-inf"))
+
+    def split_pooled(self, size: int, running: bool = False) -> torch.Tensor:
+        """PillarAttn's mean score `[r, kvh, N]` as the verification attention itself could accumulate it,
+        without the second pass over the keys: a program attending keys `[s x size, (s + 1) x size)`
+        knows only its own split's LSE, so it can sum each key's probability normalised within the
+        split, per query head over the block's queries (a few floats per key). After the merge, the
+        split's sums are weighted by the head's mean mass in the split (over the block's queries).
+        Exact when a head's queries put equal mass in every split; the question is how much the
+        selection it gives loses.
+
+        `running`: what a single pass really has. A key's probability is known relative to the running
+        maximum of its query's logits when its block of `KEY_BLOCK` keys is reached, not to the
+        split's: the program sums `exp(s - running max)` per head, and the merge weights the split by
+        the head's mean `exp(split max - lse)`. Keys of a block before a query's maximum come out too
+        large."""
+        probs = self.probs
+        n = probs.shape[-1]
+        num_splits = -(-n // size)
+        split = torch.nn.functional.pad(probs, (0, num_splits * size - n)).unflatten(-1, (num_splits, size))
+        if running:
+            # log-probabilities are the logits less the row's LSE: the same maxima, shifted
+            logp = torch.log(split)  # -inf where 0
+            blocks = logp.unflatten(-1, (-1, KEY_BLOCK)) if size % KEY_BLOCK == 0 else logp[..., None, :]
+            maxima = torch.cummax(blocks.amax(dim=-1), dim=-1).values  # running max at each block
+            relative = torch.exp(blocks - maxima[..., None]).nan_to_num(0.0).flatten(-2)  # -inf - -inf: no key
+            weight = torch.exp(maxima[..., -1:])  # exp(split max - lse): the merge knows it per query
+        else:
+            weight = split.sum(dim=-1, keepdim=True)  # [r, kvh, group, Q, splits, 1]: the split's mass
+            relative = torch.where(weight > 0, split / weight.clamp_min(torch.finfo(probs.dtype).tiny), 0.0)
+        weighted = relative * weight.mean(dim=3, keepdim=True)  # each head's mean over its queries
+        return weighted.flatten(-2)[..., :n].mean(dim=(2, 3))
 
 
 @dataclass
@@ -116,8 +161,7 @@ class Policy:
 
     def __init__(self, name: str, min_budget: int, budget_ratio: float = 0.05, budget_scale: float = 1.0,
                  pool: str = "mean", carry: float = 0.0):  # fmt: skip
-        if pool not in POOLS:
-            raise ValueError(f"pool: expected one of {POOLS}, got {pool!r}")
+        check_pool(pool)
         if not 0.0 <= carry < 1.0:
             raise ValueError(f"carry: expected 0 <= carry < 1, got {carry}")
         if carry and not self.carries_scores:

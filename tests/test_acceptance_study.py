@@ -167,8 +167,38 @@ def test_pillar_score_pools():
         assert torch.allclose(got[:3], torch.tensor(scores)), pool
         assert got[3] == float("-inf")  # not old
     assert make_policy("pillar:pool=headmax", 64).pool == "headmax"
-    with pytest.raises(ValueError, match="pool: expected one of"):
-        make_policy("pillar:pool=median", 64)
+    assert make_policy("pillar:pool=split1024", 64).pool == "split1024"
+    assert make_policy("pillar:pool=running1024", 64).pool == "running1024"
+    for bad in ("median", "split", "split0", "splitx", "running", "runningx"):
+        with pytest.raises(ValueError, match="pool: expected one of"):
+            make_policy(f"pillar:pool={bad}", 64)
+
+
+def test_split_pooled_scores():
+    """The one-pass approximation of PillarAttn's mean: exact with one split, and with several when each
+    head's queries put equal mass in every split; otherwise keys get the head's mean mass of their split."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(2, 2, 3, 4, 10, generator=generator)  # rows, KV heads, group, queries, keys
+    probs /= probs.sum(-1, keepdim=True)
+    view = VerifyView(probs=probs, block_start=torch.tensor([9, 10]), budget=torch.tensor([2, 2]))
+    exact = view.pillar_scores("mean")
+    assert torch.allclose(view.pillar_scores("split16"), exact)  # one split
+    # equal split masses within each head: keys 0-4 hold 0.3 of every query, keys 5-9 0.7
+    even = probs.clone()
+    even[..., :5] *= 0.3 / even[..., :5].sum(-1, keepdim=True)
+    even[..., 5:] *= 0.7 / even[..., 5:].sum(-1, keepdim=True)
+    even_view = VerifyView(probs=even, block_start=view.block_start, budget=view.budget)
+    assert torch.allclose(even_view.pillar_scores("split5"), even_view.pillar_scores("mean"))
+    # one query of head 0 puts all its mass in the first split, the other three in the second
+    skewed = torch.zeros(1, 1, 1, 4, 4)
+    skewed[0, 0, 0, 0, 0] = 1.0
+    skewed[0, 0, 0, 1:, 2:] = 0.5
+    skewed_view = VerifyView(probs=skewed, block_start=torch.tensor([4]), budget=torch.tensor([1]))
+    assert torch.allclose(skewed_view.pillar_scores("mean")[0, 0], torch.tensor([0.25, 0.0, 0.375, 0.375]))
+    # split 0 (keys 0-1) holds a mean mass of 0.25, split 1 of 0.75; within a split, each query's
+    # normalised probabilities are weighted by that mean, so key 0 gets 1 x 0.25 / 4 and keys 2-3 each
+    # 3 x 0.5 x 0.75 / 4: both lose against the exact scores
+    assert torch.allclose(skewed_view.pillar_scores("split2")[0, 0], torch.tensor([0.0625, 0.0, 0.28125, 0.28125]))
 
 
 def test_carried_scores_decay_across_verifications():
@@ -251,3 +281,19 @@ def test_held_out_texts_start_on_other_problems(monkeypatch, tmp_path):
     assert study_traces.load_or_generate(path, None, None, 1, **recipe, first_problem=0)[0]["tokens"] == [1, 2]
     with pytest.raises(ValueError, match="recipe"):
         study_traces.load_or_generate(path, None, None, 1, **recipe, first_problem=4)
+
+
+def test_running_pooled_scores():
+    """The single-pass variant: with one block per split and equal maxima among a head's queries it is
+    exact; a key in a block before its query's maximum comes out larger than its probability."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4]).expand(1, 1, 1, 2, 4).clone()  # two queries, same maxima
+    view = VerifyView(probs=probs, block_start=torch.tensor([4]), budget=torch.tensor([1]))
+    assert torch.allclose(view.pillar_scores("running4"), view.pillar_scores("mean"))
+    # 128 keys in one split of two blocks: the query's maximum sits in the second block
+    probs = torch.full((1, 1, 1, 1, 128), 0.5 / 127)
+    probs[..., 100] = 0.5
+    view = VerifyView(probs=probs, block_start=torch.tensor([128]), budget=torch.tensor([1]))
+    running = view.pillar_scores("running128")[0, 0]
+    assert torch.allclose(running[64:], probs[0, 0, 0, 0, 64:])  # the block holding the maximum: exact
+    # the first block's keys are relative to their own block's maximum, 0.5 / 127: weighted by 0.5, not 0.5 / 127
+    assert torch.allclose(running[:64], torch.full((64,), 0.5))
