@@ -44,6 +44,23 @@ def tempered_softmax_ref(logits: torch.Tensor, temperature: float) -> torch.Tens
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+def top_p_cut(
+    head: torch.Tensor, head_weights: torch.Tensor, top_k_norm: torch.Tensor, top_p: float, min_tokens_to_keep: int
+) -> torch.Tensor:
+    """Top-p's threshold among the top-k candidates: `head [rows, k]` their values, descending (equal
+    values are one tie group), `head_weights` their unnormalised top-k probabilities, `top_k_norm
+    [rows, 1]` top-k's normaliser (ties beyond the k included). A candidate is kept iff the probability
+    strictly above its value is < top_p (transformers' rule, tie groups kept whole), the first
+    `min_tokens_to_keep` always; returns `[rows, 1]`, the smallest kept value."""
+    # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
+    above = torch.cumsum(head_weights, dim=-1) - head_weights
+    negated = -head  # ascending, as searchsorted wants
+    above = above.gather(1, torch.searchsorted(negated, negated, side="left")) / top_k_norm
+    keep = above < top_p
+    keep[:, : min(min_tokens_to_keep, keep.shape[1])] = True
+    return torch.where(keep, head, float("inf")).amin(dim=-1, keepdim=True)
+
+
 def truncated_softmax_ref(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
 ) -> torch.Tensor:
@@ -72,16 +89,8 @@ def truncated_softmax_ref(
     best, kth = head[:, :1], head[:, -1:]
     weights = torch.exp(scores - best).masked_fill_(scores < kth, 0.0)  # top-k's softmax, unnormalised
     if top_p < 1.0:
-        head_weights = torch.exp(head - best)
-        # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
-        above = torch.cumsum(head_weights, dim=-1) - head_weights
-        negated = -head  # ascending, as searchsorted wants
-        first = torch.searchsorted(negated, negated, side="left")
-        above = above.gather(1, first) / weights.sum(dim=-1, keepdim=True)
-        keep = above < top_p
-        keep[:, : min(min_tokens_to_keep, top_k)] = True
-        threshold = torch.where(keep, head, float("inf")).amin(dim=-1, keepdim=True)
-        weights.masked_fill_(scores < threshold, 0.0)
+        cut = top_p_cut(head, torch.exp(head - best), weights.sum(dim=-1, keepdim=True), top_p, min_tokens_to_keep)
+        weights.masked_fill_(scores < cut, 0.0)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
@@ -290,13 +299,7 @@ def truncated_softmax(
     threshold, norm = kth, top_k_norm
     if top_p < 1.0:
         head_weights = torch.exp(head - best[:, None])
-        # mass strictly above each candidate: the exclusive prefix sum at the first candidate of its value
-        above = torch.cumsum(head_weights, dim=-1) - head_weights
-        negated = -head_logits  # ascending, as searchsorted wants
-        above = above.gather(1, torch.searchsorted(negated, negated, side="left")) / top_k_norm[:, None]
-        keep = above < top_p
-        keep[:, : min(min_tokens_to_keep, keep.shape[1])] = True
-        threshold = torch.where(keep, head_logits, float("inf")).amin(dim=-1)
+        threshold = top_p_cut(head_logits, head_weights, top_k_norm[:, None], top_p, min_tokens_to_keep)[:, 0]
         # a cut above the k-th keeps candidates only; at the k-th, every tie of it (the pass's sum)
         kept_norm = torch.where(head_logits >= threshold[:, None], head_weights, 0.0).sum(dim=-1)
         norm = torch.where(threshold > kth, kept_norm, top_k_norm)
