@@ -16,7 +16,9 @@ Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per sh
 (`compile_forward=True`, warmed first),
 `adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), any of
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
-finish with plain one-token steps), `induction_diagonal_overlap` (`overlap_scoring=True`; and
+finish with plain one-token steps), any of our drafting runs with `_refresh<n>` appended
+(`induction_diagonal_compiled_refresh2`: `selection_refresh_interval=n`, one scoring pass every n
+verifications), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_unfused` appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -119,12 +121,17 @@ def unfused_sampling(active: bool):
 
 
 def run_fields(run: str, args) -> dict:
-    """SparseSpecConfig fields of a run name: SELECTIONS, and `<run>_tail` adds `plain_tail_rows`
-    (`_unfused`, last, changes no field: see `unfused_sampling`)."""
+    """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_refresh<n>` adds
+    `selection_refresh_interval=n`, `<run>_tail` `plain_tail_rows` (in that order: `pillar_tail_refresh2`);
+    `_unfused`, last, changes no field (see `unfused_sampling`)."""
     run = run.removesuffix("_unfused")
+    fields = {}
+    base, _, interval = run.rpartition("_refresh")
+    if base and interval.isdigit():
+        run, fields = base, dict(selection_refresh_interval=int(interval))
     if run.endswith("_tail"):
-        return SELECTIONS[run.removesuffix("_tail")] | dict(plain_tail_rows=args.plain_tail_rows)
-    return SELECTIONS[run]
+        run, fields = run.removesuffix("_tail"), fields | dict(plain_tail_rows=getattr(args, "plain_tail_rows", 64))
+    return SELECTIONS[run] | fields
 
 
 class StopAfter(StoppingCriteria):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from e2e_throughput import SELECTIONS, unfused_sampling
+from e2e_throughput import run_fields, unfused_sampling
 from loading import add_model_arguments, load_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
@@ -56,7 +56,7 @@ def measure(model, prompts, args, run: str) -> dict:
 
 
 def _measure(model, prompts, args, run: str) -> dict:
-    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | SELECTIONS[run.removesuffix("_unfused")]
+    fields = dict(num_draft_tokens=args.k, min_budget=128, cuda_graphs=True) | run_fields(run, args)
     config = SparseSpecConfig(**fields)
     # every request must still be decoding when the timing ends: one admitted early decodes (in AR mode one
     # token an iteration) through the rest of the chunked prefill, so its length covers the prefill too

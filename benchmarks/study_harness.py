@@ -125,7 +125,7 @@ class Study:
                 group_.policy.probe(layer, view)
                 selected[loc] = old[loc][:, None, :]
             else:
-                mask, more = group_.policy.draft(layer, view)
+                mask, more = group_.policy.draft_keys(layer, view)
                 selected[loc], extra[loc] = mask & old[loc][:, None, :], more
         allowed = selected | recent[:, None, :]
         if self.mode == "draft":
@@ -156,7 +156,7 @@ class Study:
         for group_ in self.groups:
             loc = group_.local
             view = VerifyView(probs=probs[loc], block_start=t[loc], budget=self.next_budget[loc])
-            group_.policy.after_verify(layer, view)
+            group_.policy.verified(layer, view)
         out = torch.einsum("rhgqn,hnd->rhgqd", probs, text_v)
         out = out + torch.einsum("rhgqj,rhjd->rhgqd", weights[..., n:], value)
         return out.reshape(r, num_q_heads, num_q, d).transpose(1, 2)
@@ -207,7 +207,7 @@ class Study:
         positions = self.t[:, None] + torch.arange(self.k + 1, device=self.device)[None, :]
         targets = self._forward(block, positions).argmax(-1)
         for group_ in self.groups:
-            group_.policy.end_verify()
+            group_.policy.verify_done()
         self.mode = "idle"
         return targets
 

@@ -154,18 +154,32 @@ class DraftView:
 
 
 class Policy:
-    """Base: a frozen selection made at each verification (`self.masks[layer]`), budget by the engine's rule."""
+    """Base: a frozen selection made at each verification (`self.masks[layer]`), budget by the engine's rule.
+
+    `refresh=n`: only every n-th verification (the first one included) selects anew; in between the
+    selection (and whatever else `after_verify` keeps) stays the last refresh's, and the drafts attend
+    every key from that refresh's block start on as their recent window (as the engine would, to skip
+    the scoring pass of n - 1 verifications in n). The harness calls `verified` / `verify_done` /
+    `draft_keys`, which apply it around `after_verify` / `end_verify` / `draft`."""
 
     hindsight = False  # True: needs `probe` over the dense chain of each cycle before drafting
     carries_scores = True  # False: the policy does not select by `carried_scores` (`carry=` is refused)
+    refreshable = True  # False: the policy selects at draft time (or keeps everything): `refresh=` is refused
 
     def __init__(self, name: str, min_budget: int, budget_ratio: float = 0.05, budget_scale: float = 1.0,
-                 pool: str = "mean", carry: float = 0.0):  # fmt: skip
+                 pool: str = "mean", carry: float = 0.0, refresh: float = 1):  # fmt: skip
         check_pool(pool)
         if not 0.0 <= carry < 1.0:
             raise ValueError(f"carry: expected 0 <= carry < 1, got {carry}")
         if carry and not self.carries_scores:
             raise ValueError(f"carry: {type(self).__name__} does not select by PillarAttn's score")
+        if refresh != int(refresh) or refresh < 1:
+            raise ValueError(f"refresh: expected an int >= 1, got {refresh}")
+        if refresh > 1 and not self.refreshable:
+            raise ValueError(f"refresh: {type(self).__name__} does not select at verification")
+        self.refresh = int(refresh)
+        self.num_verified = 0  # verifications seen (`verify_done`)
+        self.window_start: torch.Tensor | None = None  # [r] block start of the last refreshing verification
         self.name, self.min_budget, self.budget_ratio, self.budget_scale = name, min_budget, budget_ratio, budget_scale
         # the study's min_budget (`--min-budgets`) this policy is compared at, against the PillarAttn of that
         # setting, even when its spec replaces the budget rule (`make_policy`)
@@ -177,6 +191,33 @@ class Policy:
 
     def bind(self, rows: slice, num_layers: int) -> None:
         self.rows, self.masks, self.history = rows, [None] * num_layers, [None] * num_layers
+        self.num_verified, self.window_start = 0, None
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether the verification in progress (or the last one, while drafting) selects anew."""
+        return self.num_verified % self.refresh == 0
+
+    def verified(self, layer: int, view: VerifyView) -> None:
+        """One layer of a verification: `after_verify` when it refreshes, else nothing."""
+        if self.refreshing:
+            self.window_start = view.block_start
+            self.after_verify(layer, view)
+
+    def verify_done(self) -> None:
+        if self.refreshing:
+            self.end_verify()
+        self.num_verified += 1
+
+    def draft_keys(self, layer: int, view: DraftView) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft`'s old-key mask, plus, after a verification that did not refresh, the old keys from
+        the last refresh's block start on (the longer recent window such a cycle attends)."""
+        mask, extra = self.draft(layer, view)
+        if self.refresh > 1 and self.window_start is not None and not (self.num_verified - 1) % self.refresh == 0:
+            j = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+            window = (j >= self.window_start[:, None]) & view.old
+            mask = mask | window[:, None, :]
+        return mask, extra
 
     def carried_scores(self, layer: int, view: VerifyView) -> torch.Tensor:
         """PillarAttn's score of this verification; with `carry = c > 0`, plus `c` times the previous
@@ -216,6 +257,7 @@ class Dense(Policy):
     """Every old key (a harness check: must accept all k drafts under greedy)."""
 
     carries_scores = False
+    refreshable = False
 
     def after_verify(self, layer: int, view: VerifyView) -> None:
         pass
@@ -250,6 +292,7 @@ class OracleStep(Policy):
     """Per-step oracle: top-B by this draft query's own exact attention (group mean), at every step and layer."""
 
     carries_scores = False
+    refreshable = False
 
     def after_verify(self, layer, view):
         pass
@@ -275,6 +318,7 @@ class OracleFrozen(Policy):
 
     hindsight = True
     carries_scores = False
+    refreshable = False
 
     def after_verify(self, layer, view):
         pass

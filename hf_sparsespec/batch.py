@@ -209,6 +209,7 @@ class BatchBuilder:
         recent = np.zeros(n_rows, np.int64)
         n_sel = np.zeros(n_rows, np.int64)
         budget = np.zeros(n_rows, np.int64)
+        refreshes = np.zeros(n_rows, bool)
         draft_step = np.zeros(n_rows, np.int64)
         shift_index = np.full(n_rows, -1, np.int64)
         max_shift = np.zeros(n_rows, np.int64)
@@ -226,7 +227,7 @@ class BatchBuilder:
             elif row.kind is RowKind.DRAFT:
                 recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
             elif row.kind is RowKind.VERIFY:
-                budget[i] = row.budget
+                budget[i], refreshes[i] = row.budget, row.refreshes
                 request.verify_result_index = verify_count
                 verify_count += 1
             if self.num_params:
@@ -296,9 +297,11 @@ class BatchBuilder:
         pad_v = v_pad - n_v
         dummy_base = dummy * width
         a["verify_query_start"] = _pad(query_start[n_p : n_p + n_v + 1], pad_v, query_start[n_p + n_v])
-        a["num_old_keys"] = _pad(v_first, pad_v, 0)
+        # a verification that keeps its request's selection scores no key and selects into the dummy slot
+        v_refresh = refreshes[vr]
+        a["num_old_keys"] = _pad(np.where(v_refresh, v_first, 0), pad_v, 0)
         a["budget"] = _pad(budget[vr], pad_v, 0)
-        a["verify_slot"] = _pad(v_slot, pad_v, dummy)
+        a["verify_slot"] = _pad(np.where(v_refresh, v_slot, dummy), pad_v, dummy)
         a["verify_first_position"] = _pad(v_first, pad_v, 0)
         a["num_drafts"] = _pad(v_m, pad_v, 0)
         a["verify_base"] = _pad(v_base, pad_v, dummy_base)

@@ -133,6 +133,14 @@ class SparseSpecConfig:
             elsewhere). Off by default: on the H200 it made a 256-row iteration at 8K contexts slower,
             14.09 against 13.46 ms (the copies, and a second stream competing for the SMs the GEMMs
             and the attention already fill; docs/measurements.md 17).
+        selection_refresh_interval: verifications per selection refresh, for the scored selections.
+            1 (the paper, the default): every verification scores its old keys (the PillarAttn
+            scoring pass, a second read of the verification rows' keys) and selects the next cycle's
+            keys. n > 1: only every n-th verification of a request does; the cycles in between keep
+            the last refresh's selection (and moved-key offsets), and their drafts attend every key
+            from that refresh's verification block on as their recent window, so nothing committed
+            since is left out. Saves n - 1 of n scoring passes at the price of older selections.
+            Lossless (only acceptance changes).
     """
 
     num_draft_tokens: int = 8
@@ -158,6 +166,7 @@ class SparseSpecConfig:
     compile_forward: bool = False
     plain_tail_rows: int = 0  # from here on last, so that positional arguments keep their meaning
     overlap_scoring: bool = False
+    selection_refresh_interval: int = 1
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -204,6 +213,12 @@ class SparseSpecConfig:
             _check_int("host_pool_bytes", self.host_pool_bytes, 0)
         _check_int("offload_chunk_tokens", self.offload_chunk_tokens, 1)
         _check_choice("backend", self.backend, BACKENDS)
+        _check_int("selection_refresh_interval", self.selection_refresh_interval, 1, 64)
+        if self.selection_refresh_interval > 1 and self.selection not in SCORED_SELECTIONS:
+            raise ValueError(
+                f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "
+                f"got selection={self.selection!r}"
+            )
         for name in ("cuda_graphs", "compile_forward", "overlap_scoring"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")

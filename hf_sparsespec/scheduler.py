@@ -111,6 +111,7 @@ class Request:
     draft_target: int = 0  # drafts of the next cycle the length limit does not cut (k, or the adaptive length)
     drafts_done: int = 0
     recent_start: int = 0  # first position of the recent window (0 before the first verification)
+    num_verifications: int = 0  # verifications of drafts launched (selection refreshes: every n-th)
     num_selected: int = 0  # selected keys per (layer, KV head) for the current cycle's drafts
     pending_budget: int = 0  # selection size the in-flight verification produces
     pending_recent_start: int = 0  # the recent window's start for the cycle after that verification
@@ -154,6 +155,7 @@ class ScheduledRow:
     speculative: bool = False  # DRAFT right after a verification with an unread result
     max_shift: int = 0  # speculative DRAFT: the most positions the device may shift it by (drafts verified)
     committed: bool = False  # VERIFY of 0 drafts (a plain step): its one token was committed when scheduled
+    refreshes: bool = True  # VERIFY: scores its old keys and selects the next cycle's (`selection_refresh_interval`)
 
     @property
     def context_len(self) -> int:
@@ -283,9 +285,15 @@ class Scheduler:
             if request.num_committed >= request.max_total_len:
                 request.phase = Phase.AWAIT  # the last token: wait for the host to read and finish it
             return row
-        row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
-        request.pending_budget = row.budget
-        request.pending_recent_start = 0 if self.config.selection == "dense" else first
+        row.refreshes = request.num_verifications % self.config.selection_refresh_interval == 0
+        request.num_verifications += 1
+        if row.refreshes:
+            row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
+            request.pending_budget = row.budget
+            request.pending_recent_start = 0 if self.config.selection == "dense" else first
+        else:  # the next cycle drafts from the last refresh's selection, over a window from its block on
+            request.pending_budget = request.num_selected
+            request.pending_recent_start = request.recent_start
         request.pending_drafts = request.cycle_drafts
         self._set_verify_iteration(request, self.iteration)
         request.phase = Phase.VERIFYING if self.speculate else Phase.AWAIT

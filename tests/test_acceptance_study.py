@@ -36,7 +36,8 @@ from hf_sparsespec import SparseSpecConfig  # noqa: E402
 K = 8
 SPECS = ["dense", "pillar", "streaming", "oracle_step", "oracle_first", "oracle_frozen", "quest:page_size=4",
          "rerank:candidates=2", "shared:mode=mass", "shared:mode=entropy", "diagonal", "induction",
-         "induction:top=2,diagonal=1", "induction:top=2,diagonal=1,carry=0.5"]  # fmt: skip
+         "induction:top=2,diagonal=1", "induction:top=2,diagonal=1,carry=0.5", "pillar:refresh=2",
+         "induction:top=2,diagonal=1,refresh=3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,28 @@ def test_carried_scores_decay_across_verifications():
         make_policy("pillar:carry=1", 64)
     with pytest.raises(ValueError, match="does not select by PillarAttn"):
         make_policy("oracle_step:carry=0.5", 64)
+
+
+def test_refresh_keeps_the_last_selection_and_widens_the_window(model, tokens):
+    _, records = run(model, tokens, ["pillar", "pillar:refresh=2"], min_budget=8, cycles=6)
+    stale = {(r["episode"], r["cycle"]): r for r in records if r["policy"] == "pillar:refresh=2"}
+    fresh = {(r["episode"], r["cycle"]): r for r in records if r["policy"] == "pillar"}
+    checked = 0
+    for (episode, cycle), r in stale.items():
+        if cycle % 2 == 1:  # drafts after verification cycle - 1 (even): a refresh, as PillarAttn's
+            assert r["old_keys_per_head"] == r["budget"]
+        elif (episode, cycle - 1) in stale:  # the last refresh's selection + its block start onwards
+            before = stale[(episode, cycle - 1)]
+            assert r["old_keys_per_head"] == before["budget"] + r["recent_start"] - before["recent_start"]
+            assert r["recent_start"] > before["recent_start"]
+            checked += 1
+    assert checked >= 4
+    # the first cycles (before any stale one) draft exactly as PillarAttn
+    assert all(stale[key]["accepted"] == fresh[key]["accepted"] for key in stale if key[1] == 1)
+    with pytest.raises(ValueError, match="refresh: expected an int"):
+        make_policy("pillar:refresh=0", 64)
+    with pytest.raises(ValueError, match="does not select at verification"):
+        make_policy("oracle_step:refresh=2", 64)
 
 
 def test_moved_keys_follow_the_diagonal():

