@@ -11,9 +11,13 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   it reloads Q and K (not V) and turns logits into exact probabilities with the attention's final
   LSE. It cannot be fused into the attention pass: a probability needs the row's *final* LSE, known
   only after every key (and every split) was seen, and keeping the raw logits (queries x heads x keys)
-  would move about as many bytes as K itself. Programs `(row, KV head, c)` loop over the key chunks
-  `c, c + C, ...` of their row; a row's packed tile (its queries x the group's heads) usually fits one
-  `tl.dot` tile, so each K block is read once and reduced over all of the tile's rows in registers.
+  would move about as many bytes as K itself. The work is every row's chunks of old keys, numbered
+  row after row (each program finds the rows' chunk counts by a prefix sum of `num_old_keys`), and
+  program `(p, KV head)` of P takes chunks `p, p + P, ...`: rows with nothing to score (no queries,
+  no old keys, a verification that keeps its selection: `selection_refresh_interval`) cost their
+  programs nothing, and long rows spread over programs the short ones leave. A row's packed tile (its
+  queries x the group's heads) usually fits one `tl.dot` tile, so each K block is read once and
+  reduced over all of the tile's rows in registers.
 - `select_top_keys_into` (`top_keys.py`): the top B of each (row, KV head), straight into the
   selected-index store.
 
@@ -25,9 +29,9 @@ of them (58 at 256 requests): 28 such launches in a row cost 0.84 ms per iterati
 (docs/measurements.md 12, before the histogram search); one launch of all layers' programs fills the GPU.
 - `"diagonal"` selection (`moved_keys.py`): the same scoring pass also keeps each (query, head)'s most
   attended old key (`TRACK_BEST`), and `store_moved_offsets` writes them as offsets into their store.
-  A program keeps a running best over all its keys (a plain max per key block; the position search
-  only in the few blocks that beat it) and folds it into the row's entry by one atomic max per query
-  tile, not per block and chunk.
+  A program keeps a running best over a chunk's keys (a plain max per key block; the position search
+  only in the few blocks that beat it) and folds it into the row's entry by one atomic max per chunk
+  and query tile, not per block.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ def _pillar_scores_kernel(
     num_old_keys_ptr,  # [num_rows] int32
     scores_ptr,  # [num_rows, num_kv_heads, width] fp32 (written at j < num_old_keys[row])
     best_ptr,  # [num_rows, num_kv_heads, num_entries] int64, packed best key per (query, head) (TRACK_BEST)
+    num_rows,
     num_entries,  # (k + 1) x group (TRACK_BEST)
     stride_q_tok,
     stride_q_head,
@@ -131,18 +136,22 @@ def _pillar_scores_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     KEYS_PER_PROGRAM: tl.constexpr,
+    ROWS_PAD: tl.constexpr,  # a power of 2 >= num_rows
     INPUT_PRECISION: tl.constexpr,
     TRACK_BEST: tl.constexpr,
 ):
-    row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    first_chunk = tl.program_id(2)
-    chunk_step = tl.num_programs(2)
-    q0 = tl.load(query_start_ptr + row)
-    q_len = tl.load(query_start_ptr + row + 1) - q0
-    num_old = tl.load(num_old_keys_ptr + row)
-    num_old = tl.where(q_len > 0, num_old, 0)  # no queries: nothing is scored
-    inv_count = 1.0 / tl.maximum(q_len * GROUP, 1).to(tl.float32)
+    # The work: every row's chunks of KEYS_PER_PROGRAM old keys, numbered row after row; program p
+    # takes chunks p, p + P, ... So rows with no keys to score (no queries, nothing old, or a
+    # verification that keeps its selection) leave their share to the others.
+    rows = tl.arange(0, ROWS_PAD)
+    row_valid = rows < num_rows
+    row_q = tl.load(query_start_ptr + rows + 1, mask=row_valid, other=0) - tl.load(
+        query_start_ptr + rows, mask=row_valid, other=0
+    )
+    row_old = tl.where(row_q > 0, tl.load(num_old_keys_ptr + rows, mask=row_valid, other=0), 0)
+    chunk_end = tl.cumsum(tl.cdiv(row_old, KEYS_PER_PROGRAM), axis=0)  # (ROWS_PAD,) exclusive ends
+    num_chunks = tl.max(chunk_end, axis=0)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -150,30 +159,36 @@ def _pillar_scores_kernel(
     q_idx = offs_m // GROUP
     q_head = kv_head * GROUP + offs_m % GROUP
     d_valid = offs_d < HEAD_DIM
-    page_row_ptr = page_table_ptr + row.to(tl.int64) * stride_pt_row
     k_base = k_cache_ptr + kv_head * stride_cache_head
-    score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
-    best_row_ptr = best_ptr + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
-    num_q_tiles = tl.maximum(tl.cdiv(q_len, BLOCK_M // GROUP), 1)
-    # Usually one query tile; with more, a chunk's partial sums wait in `scores` between tiles (the
-    # same program owns the same chunks in every tile, so it reads back only what it wrote).
-    for q_tile in range(0, num_q_tiles):
-        tile_q = q_tile * (BLOCK_M // GROUP) + q_idx  # (BLOCK_M,) query of the row
-        m_valid = (q_idx < BLOCK_M // GROUP) & (tile_q < q_len)  # rows past the last whole query: padding
-        tok = (q0 + tile_q).to(tl.int64)
-        q = tl.load(
-            q_ptr + (tok * stride_q_tok + q_head * stride_q_head)[:, None] + offs_d[None, :],
-            mask=m_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )  # Q: (BLOCK_M, BLOCK_D)
-        lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
-        is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
-        # TRACK_BEST: each (query, head)'s best probability over this program's keys and its lowest key
-        best_p = tl.full([BLOCK_M], -1.0, tl.float32)
-        best_key = tl.zeros([BLOCK_M], tl.int32)
-        for chunk in range(first_chunk, tl.cdiv(num_old, KEYS_PER_PROGRAM), chunk_step):
-            key_lo = chunk * KEYS_PER_PROGRAM
-            key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
+    for work in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+        row = tl.sum((chunk_end <= work).to(tl.int32), axis=0)
+        chunk = work - tl.sum(tl.where(rows == row, chunk_end - tl.cdiv(row_old, KEYS_PER_PROGRAM), 0), axis=0)
+        q0 = tl.load(query_start_ptr + row)
+        q_len = tl.load(query_start_ptr + row + 1) - q0
+        num_old = tl.load(num_old_keys_ptr + row)
+        inv_count = 1.0 / tl.maximum(q_len * GROUP, 1).to(tl.float32)
+        page_row_ptr = page_table_ptr + row.to(tl.int64) * stride_pt_row
+        score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
+        best_row_ptr = best_ptr + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
+        key_lo = chunk * KEYS_PER_PROGRAM
+        key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
+        num_q_tiles = tl.maximum(tl.cdiv(q_len, BLOCK_M // GROUP), 1)
+        # Usually one query tile; with more, the chunk's partial sums wait in `scores` between tiles
+        # (this program owns the chunk in every tile, so it reads back only what it wrote).
+        for q_tile in range(0, num_q_tiles):
+            tile_q = q_tile * (BLOCK_M // GROUP) + q_idx  # (BLOCK_M,) query of the row
+            m_valid = (q_idx < BLOCK_M // GROUP) & (tile_q < q_len)  # rows past the last whole query: padding
+            tok = (q0 + tile_q).to(tl.int64)
+            q = tl.load(
+                q_ptr + (tok * stride_q_tok + q_head * stride_q_head)[:, None] + offs_d[None, :],
+                mask=m_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )  # Q: (BLOCK_M, BLOCK_D)
+            lse2 = tl.load(lse_ptr + tok * stride_lse_tok + q_head, mask=m_valid, other=0.0) * 1.4426950408889634
+            is_last = (q_tile + 1) * (BLOCK_M // GROUP) >= q_len
+            # TRACK_BEST: each (query, head)'s best probability over the chunk's keys and its lowest key
+            best_p = tl.full([BLOCK_M], -1.0, tl.float32)
+            best_key = tl.zeros([BLOCK_M], tl.int32)
             for start in range(key_lo, key_hi, BLOCK_N):
                 key = start + offs_n  # (BLOCK_N,) positions
                 n_valid = key < key_hi
@@ -188,8 +203,8 @@ def _pillar_scores_kernel(
                 total = tl.where(is_last, total * inv_count, total)
                 tl.store(score_row_ptr + key, total, mask=n_valid)
                 if TRACK_BEST:
-                    # a plain max per block; the position search runs only in blocks that beat a
-                    # running best (a few per program: keys ascend, so the first maximum is kept)
+                    # a plain max per block; the position search runs only in blocks that beat the
+                    # running best (keys ascend, so the first maximum is kept)
                     p_valid = tl.where(n_valid[None, :], p, -1.0)
                     top = tl.max(p_valid, axis=1)
                     improved = top > best_p
@@ -197,13 +212,13 @@ def _pillar_scores_kernel(
                         first = tl.min(tl.where(p_valid == top[:, None], offs_n[None, :], BLOCK_N), axis=1)
                         best_key = tl.where(improved, start + first, best_key)
                         best_p = tl.where(improved, top, best_p)
-        if TRACK_BEST:
-            # packed (probability bits, 2^31 - 1 - key): the atomic max across programs keeps the best
-            # probability and, on ties, the lowest key; 0 means none
-            packed = (best_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - best_key).to(tl.int64)
-            entry = tile_q * GROUP + offs_m % GROUP  # (BLOCK_M,) the (query, head)'s entry of the row's list
-            track = m_valid & (entry < num_entries) & (best_p >= 0.0)
-            tl.atomic_max(best_row_ptr + entry, packed, mask=track)
+            if TRACK_BEST:
+                # packed (probability bits, 2^31 - 1 - key): the atomic max across chunks keeps the best
+                # probability and, on ties, the lowest key; 0 means none
+                packed = (best_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - best_key).to(tl.int64)
+                entry = tile_q * GROUP + offs_m % GROUP  # (BLOCK_M,) the (query, head)'s entry of the row's list
+                track = m_valid & (entry < num_entries) & (best_p >= 0.0)
+                tl.atomic_max(best_row_ptr + entry, packed, mask=track)
 
 
 def _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys) -> int:
@@ -259,18 +274,19 @@ def pillar_scores_into(
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim, query.dtype)
     keys_per_program = config["KEYS_PER_PROGRAM"]
-    programs = PROGRAMS_PER_SM * num_sms(query.device)
-    chunk_programs = max(1, min(triton.cdiv(scores.shape[2], keys_per_program), programs // (num_rows * num_kv_heads)))
-    _pillar_scores_kernel[(num_rows, num_kv_heads, chunk_programs)](
+    # one program per chunk, up to PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only)
+    programs = max(1, PROGRAMS_PER_SM * num_sms(query.device) // num_kv_heads)
+    programs = min(programs, num_rows * triton.cdiv(scores.shape[2], keys_per_program))
+    _pillar_scores_kernel[(programs, num_kv_heads)](
         query, k_cache, page_table, query_start, lse, num_old_keys, scores,
-        best if best is not None else scores, best.shape[2] if best is not None else 0,
+        best if best is not None else scores, num_rows, best.shape[2] if best is not None else 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1),
         best.stride(0) if best is not None else 0, best.stride(1) if best is not None else 0, scale * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], KEYS_PER_PROGRAM=keys_per_program,
-        INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None, num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        ROWS_PAD=next_power_of_2(num_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
 
 

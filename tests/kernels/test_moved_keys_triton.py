@@ -35,6 +35,7 @@ VERIFY_CASES = {
     "no_old_keys": ([9, 30], [9, 9]),
     "two_query_tiles": ([60, 20], [30, 2]),
     "page_edge": ([25, 16], [9, 9]),
+    "rows_without_keys": ([9, 2600, 9, 1300, 40], [9, 9, 9, 9, 9]),  # a program's chunks span two rows
 }
 
 
@@ -84,21 +85,24 @@ def test_moved_offsets_match_reference(device, dtype, case, page_size, group, he
         device, dtype, page_size, group, head_dim, context_lens, q_lens
     )
     num_entries = max(q_lens) * group
-    # a third, padding row: no queries, no old keys (as the engine pads its verification rows)
+    # a last, padding row: no queries, no old keys (as the engine pads its verification rows)
     page_table = torch.cat([page_table, page_table[:1]])
     query_start = torch.cat([query_start, query_start[-1:]])
     num_old = torch.cat([num_old, i32([0], device)])
     budgets = torch.clamp(num_old, max=4)
-    slots = torch.tensor([3, 0, 4], device=device)
+    num_rows = len(context_lens) + 1
+    num_slots = num_rows + 2
+    slots = torch.tensor([3, 0, 4] if num_rows == 3 else [num_slots - 1 - r for r in range(num_rows)], device=device)
+    unused = [s for s in range(num_slots) if s not in slots.tolist()]
     expected = moved_offsets_ref(query, k_cache, page_table, query_start, num_old, num_entries, scale)
-    assert (expected[2] == NO_OFFSET).all()
+    assert (expected[-1] == NO_OFFSET).all()
     stores = []
     for backend in (TritonBackend(), TorchBackend()):
         layers = 2  # the scored layer is the second; the first layer's stores must stay untouched
-        selected = torch.full((layers, 5, 2, 8), -1, dtype=torch.int32, device=device)
-        offsets = torch.full((layers, 5, 2, num_entries), -7, dtype=torch.int32, device=device)
-        best = torch.zeros((layers, 3, 2, num_entries), dtype=torch.int64, device=device) if backend.needs_plan else None
-        scores = torch.zeros((layers, 3, 2, int(num_old.max())), dtype=torch.float32, device=device)
+        selected = torch.full((layers, num_slots, 2, 8), -1, dtype=torch.int32, device=device)
+        offsets = torch.full((layers, num_slots, 2, num_entries), -7, dtype=torch.int32, device=device)
+        best = torch.zeros((layers, num_rows, 2, num_entries), dtype=torch.int64, device=device) if backend.needs_plan else None
+        scores = torch.zeros((layers, num_rows, 2, int(num_old.max())), dtype=torch.float32, device=device)
         backend.score_verification(query, k_cache, page_table, query_start, lse, num_old, scores[1], scale, slots,
                                    max(q_lens), offsets=offsets[1], best=best[1] if best is not None else None)  # fmt: skip
         backend.select_verified_keys(scores, num_old, budgets, selected, slots, offsets if best is not None else None,
@@ -109,7 +113,7 @@ def test_moved_offsets_match_reference(device, dtype, case, page_size, group, he
         stores.append(offsets[1])
     triton_store, torch_store = stores
     assert torch.equal(torch_store[slots.long()], expected)
-    assert (triton_store[[1, 2]] == -7).all() and (torch_store[[1, 2]] == -7).all()
+    assert (triton_store[unused] == -7).all() and (torch_store[unused] == -7).all()
     clear = _clear_best(query, k_cache, page_table, query_start, num_old, num_entries, scale)
     assert clear[expected != NO_OFFSET].float().mean() > 0.5
     actual = triton_store[slots.long()]

@@ -30,6 +30,9 @@ CASES = {
     "no_old_keys": ([9, 30], [9, 9]),
     "two_query_tiles": ([60, 20], [30, 2]),
     "page_edge": ([25, 16], [9, 9]),
+    # 9 chunks of 512 keys for 8 programs per KV head on the interpreter: a program scores chunks of
+    # two rows, and the rows without old keys take none
+    "rows_without_keys": ([9, 2600, 9, 1300, 40], [9, 9, 9, 9, 9]),
 }
 
 
