@@ -140,7 +140,9 @@ class SparseSpecConfig:
             the last refresh's selection (and moved-key offsets), and their drafts attend every key
             from that refresh's verification block on as their recent window, so nothing committed
             since is left out. Saves n - 1 of n scoring passes at the price of older selections.
-            Lossless (only acceptance changes).
+            Lossless (only acceptance changes). On Qwen2.5-Coder-1.5B with n = 2: 7.20 accepted of 8
+            against 7.31 (teacher-forced, 960 cycles, `"induction_diagonal"`), and an 8K-context
+            iteration at 256 rows 5.3 % shorter (docs/measurements.md 18); 1 until measured end to end.
     """
 
     num_draft_tokens: int = 8
