@@ -213,7 +213,8 @@ class Policy:
         """`draft`'s old-key mask, plus, after a verification that did not refresh, the old keys from
         the last refresh's block start on (the longer recent window such a cycle attends)."""
         mask, extra = self.draft(layer, view)
-        if self.refresh > 1 and self.window_start is not None and not (self.num_verified - 1) % self.refresh == 0:
+        kept = self.window_start is not None and (self.num_verified - 1) % self.refresh != 0  # the last one did not refresh
+        if kept:
             j = torch.arange(mask.shape[-1], device=mask.device)[None, :]
             window = (j >= self.window_start[:, None]) & view.old
             mask = mask | window[:, None, :]
