@@ -150,7 +150,9 @@ def _pillar_scores_kernel(
         query_start_ptr + rows, mask=row_valid, other=0
     )
     row_old = tl.where(row_q > 0, tl.load(num_old_keys_ptr + rows, mask=row_valid, other=0), 0)
-    chunk_end = tl.cumsum(tl.cdiv(row_old, KEYS_PER_PROGRAM), axis=0)  # (ROWS_PAD,) exclusive ends
+    row_chunks = tl.cdiv(row_old, KEYS_PER_PROGRAM)
+    chunk_end = tl.cumsum(row_chunks, axis=0)  # (ROWS_PAD,) each row's first chunk number past its own
+    chunk_start = chunk_end - row_chunks
     num_chunks = tl.max(chunk_end, axis=0)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -162,7 +164,7 @@ def _pillar_scores_kernel(
     k_base = k_cache_ptr + kv_head * stride_cache_head
     for work in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
         row = tl.sum((chunk_end <= work).to(tl.int32), axis=0)
-        chunk = work - tl.sum(tl.where(rows == row, chunk_end - tl.cdiv(row_old, KEYS_PER_PROGRAM), 0), axis=0)
+        chunk = work - tl.sum(tl.where(rows == row, chunk_start, 0), axis=0)
         q0 = tl.load(query_start_ptr + row)
         q_len = tl.load(query_start_ptr + row + 1) - q0
         num_old = tl.load(num_old_keys_ptr + row)
