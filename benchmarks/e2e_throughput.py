@@ -18,7 +18,8 @@ Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per sh
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
 finish with plain one-token steps), any of our drafting runs with `_refresh<n>` appended
 (`induction_diagonal_compiled_refresh2`: `selection_refresh_interval=n`, one scoring pass every n
-verifications), `induction_diagonal_overlap` (`overlap_scoring=True`; and
+verifications) and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
+plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_unfused` appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -121,17 +122,38 @@ def unfused_sampling(active: bool):
 
 
 def run_fields(run: str, args) -> dict:
-    """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_refresh<n>` adds
-    `selection_refresh_interval=n`, `<run>_tail` `plain_tail_rows` (in that order: `pillar_tail_refresh2`);
-    `_unfused`, last, changes no field (see `unfused_sampling`)."""
+    """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_from<n>` adds `min_draft_context=n`,
+    `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_tail` `plain_tail_rows` (in that order:
+    `pillar_tail_refresh2_from2048`); `_unfused`, last, changes no field (see `unfused_sampling`)."""
     run = run.removesuffix("_unfused")
     fields = {}
+    base, _, context = run.rpartition("_from")
+    if base and context.isdigit():
+        run, fields = base, dict(min_draft_context=int(context))
     base, _, interval = run.rpartition("_refresh")
     if base and interval.isdigit():
-        run, fields = base, dict(selection_refresh_interval=int(interval))
+        run, fields = base, fields | dict(selection_refresh_interval=int(interval))
     if run.endswith("_tail"):
         run, fields = run.removesuffix("_tail"), fields | dict(plain_tail_rows=getattr(args, "plain_tail_rows", 64))
     return SELECTIONS[run] | fields
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo compiled so far in this process (a compiled forward's variants)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def warm_configs(config: SparseSpecConfig, prompts: list[list[int]], tokens: int) -> list[SparseSpecConfig]:
+    """The configs a run warms up with, `tokens` new tokens each: the run's own, or with `min_draft_context`
+    (plain steps first) one that drafts from the start and one whose plain steps last half the warm-up
+    for the longest prompt: the compiled forward sees the drafting shapes, the plain-only ones and the
+    mixed ones of requests crossing the threshold, each of which dynamo compiles once."""
+    if not config.min_draft_context:
+        return [config]
+    crossing = max(len(p) for p in prompts) + 1 + tokens // 2
+    return [dataclasses.replace(config, min_draft_context=0), dataclasses.replace(config, min_draft_context=crossing)]
 
 
 class StopAfter(StoppingCriteria):
@@ -170,7 +192,7 @@ class IdealCounter:
 
     def observe(self, batch, pillar: bool) -> None:
         a, shape = batch.arrays, batch.shape
-        n_full = shape.num_prefill_rows + len(batch.verify_rows)
+        n_full = shape.num_prefill_rows + len(batch.verify_rows) + len(batch.plain_rows)
         n_rows = len(batch.rows)
         qs, ctx = a["query_start"][: n_rows + 1], a["context_len"][:n_rows]
         q_len = np.diff(qs)
@@ -446,11 +468,14 @@ def main() -> None:
                     # dynamo's compilation with compile_forward); graphs are per call and are captured again
                     started = time.perf_counter()
                     short = GenerationConfig(**{**settings, "max_new_tokens": min(48, n), "min_new_tokens": min(48, n)})
-                    hf_sparsespec.generate_batch(model, prompts, short, config)
+                    for warm_config in warm_configs(config, prompts, min(48, n)):
+                        hf_sparsespec.generate_batch(model, prompts, short, warm_config)
                     print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
-                # the AR mode (no drafts) scores nothing: its rows are verifications of one token, unscored
+                # the AR mode (no drafts) scores nothing: its rows are plain steps
                 scored = config.selection in SCORED_SELECTIONS and config.num_draft_tokens > 0
+                graphs_before = dynamo_graphs()
                 result = run_ours(model, prompts, gen_config, config, pillar=scored)
+                result["dynamo_graphs_compiled"] = dynamo_graphs() - graphs_before  # in the timed run: > 0 is a stall
             outputs[label] = result.pop("outputs"), set(result["offloaded"])
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:

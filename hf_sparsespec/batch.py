@@ -1,7 +1,7 @@
 """BatchBuilder: the host side of an iteration, vectorised into one int32 staging buffer.
 
-The scheduler hands over the rows of an iteration (prefill chunks, verifications, drafts, in that
-order). This module turns them into every index the device step needs, with numpy over whole arrays
+The scheduler hands over the rows of an iteration (prefill chunks, verifications, plain steps,
+drafts, in that order). This module turns them into every index the device step needs, with numpy over whole arrays
 (no per-token Python), written into a pinned host buffer that the runner uploads with ONE copy:
 
     tokens   input_index, position, kv_slot                [num_tokens]
@@ -12,17 +12,20 @@ order). This module turns them into every index the device step needs, with nump
     keys     logits_stream [logits rows x 2]: each draw's noise stream (the device folds in the
              position of the drawn token), accept_key [verify rows x k x 2]: each acceptance test's
              key (`sampling.sample_keys`; zeros under greedy decoding)
+    plain    write                                         [plain rows]
     drafts   write, prob_index                             [draft rows]
     prefill  write                                         [sampling prefill rows]
     plan     work [num_work x 5], merge [num_merge x 5]    (Triton backend only)
     shifts   shift_index [rows]; token_row, draft_row, logits_row    (iterations with speculative rows)
 and, after the fields of the shape, the new page-table entries: flat index, then page.
 
-Shapes (`StepShape`): an iteration without prefill rows is padded to a bucket (verify and draft rows
-rounded up) so that a CUDA graph can replay it: padded rows and tokens read slot `num_slots` (the
+Shapes (`StepShape`): an iteration without prefill rows is padded to a bucket (verify, plain and draft
+rows rounded up) so that a CUDA graph can replay it: padded rows and tokens read slot `num_slots` (the
 dummy slot of every per-slot buffer), write the KV cache nowhere (`kv_slot = -1`) and sample into
-the dummy slot. Logits rows are laid out `[verify rows x (k + 1)][draft rows][prefill samples]`, so a
-verification's k + 1 target distributions are a fixed-stride block.
+the dummy slot. Logits rows are laid out `[verify rows x (k + 1)][plain rows][draft rows][prefill
+samples]`, so a verification's k + 1 target distributions are a fixed-stride block. A verify row
+takes k + 1 tokens of its bucket, a plain step (a cycle of 0 drafts: one token, attending fully,
+its sample committed) one.
 
 Speculative rows (a request's first draft right after its verification, see `scheduler.py`) are
 built as if the verification accepted 0 drafts; `shift_index` points at that verification's
@@ -64,6 +67,7 @@ class StepShape:
     num_verify_rows: int
     num_draft_rows: int
     num_prefill_samples: int
+    num_plain_rows: int
     spec_len: int  # k + 1: logits rows per verify row
     num_params: int  # per-row parameters of the vectorised logits processors
     block_m_full: int
@@ -73,7 +77,7 @@ class StepShape:
 
     @property
     def num_logits(self) -> int:
-        return self.num_verify_rows * self.spec_len + self.num_draft_rows + self.num_prefill_samples
+        return self.num_verify_rows * self.spec_len + self.num_plain_rows + self.num_draft_rows + self.num_prefill_samples
 
     def fields(self) -> list[tuple[str, int]]:
         """(name, int32 count) in staging order."""
@@ -88,6 +92,7 @@ class StepShape:
             ("verify_first_position", v), ("num_drafts", v), ("verify_base", v),
             ("draft_index", v * k), ("draft_prob_row", v * k),
             ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
+            ("plain_write", self.num_plain_rows),
             ("draft_write", d), ("draft_prob_index", d), ("draft_row_base", d), ("draft_recent_start", d),
             ("prefill_write", self.num_prefill_samples),
             ("logits_stream", 2 * n), ("accept_key", 2 * v * k),
@@ -156,6 +161,7 @@ class HostBatch:
     shape: StepShape
     rows: list[ScheduledRow]
     verify_rows: list[ScheduledRow]  # in result order
+    plain_rows: list[ScheduledRow]  # in result order
     prefill_sample_rows: list[ScheduledRow]  # in result order
     arrays: dict[str, np.ndarray]
     host_rows: dict[str, np.ndarray]  # real logits rows' slot / prefix_len / params (the eager processors)
@@ -163,7 +169,8 @@ class HostBatch:
 
     @property
     def num_results(self) -> int:
-        return self.shape.num_verify_rows * (self.shape.spec_len + 1) + self.shape.num_prefill_samples
+        shape = self.shape
+        return shape.num_verify_rows * (shape.spec_len + 1) + shape.num_plain_rows + shape.num_prefill_samples
 
 
 class BatchBuilder:
@@ -195,7 +202,7 @@ class BatchBuilder:
         self.num_params, self.pad = num_params, pad
 
     def build(self, rows: list[ScheduledRow], allocator, bucket=None) -> HostBatch:
-        """`bucket(verify_rows, draft_rows, shifted) -> (verify_rows', draft_rows', shifted')`, optional:
+        """`bucket(verify_rows, plain_rows, draft_rows, shifted) -> (verify_rows', ..., shifted')`, optional:
         the bucket to pad a decode iteration to instead of its own (at least as large, shifted if it is;
         the runner's `bucket`, which picks a captured graph)."""
         k, spec, width, dummy = self.k, self.k + 1, self.width, self.num_slots
@@ -235,7 +242,9 @@ class BatchBuilder:
             rid = request.request_id
             self.page_table.sync(request.slot, allocator.page_table(rid), allocator.take_changed(rid))
         is_prefill, is_verify, is_draft = kind == RowKind.PREFILL, kind == RowKind.VERIFY, kind == RowKind.DRAFT
-        n_p, n_v, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_draft.sum())
+        is_plain = kind == RowKind.PLAIN
+        n_p, n_v, n_pl, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_plain.sum()), int(is_draft.sum())
+        n_full = n_p + n_v + n_pl  # rows that attend fully come first
         context = first + n_tok
         shifted = bool((shift_index >= 0).any())
         updates = self.page_table.take_updates()
@@ -243,31 +252,37 @@ class BatchBuilder:
         # --- the shape ---
         padded = self.pad and n_p == 0
         v_pad = round_up_rows(n_v, self.num_slots, spec) if padded else n_v
+        pl_pad = round_up_rows(n_pl, self.num_slots) if padded else n_pl
         d_pad = round_up_rows(n_d, self.num_slots) if padded else n_d
         if padded and bucket is not None:
             needs_shift = shifted
-            v_pad, d_pad, shifted = bucket(v_pad, d_pad, shifted)
-            assert v_pad >= n_v and d_pad >= n_d and shifted >= needs_shift, "a bucket must hold the iteration"
+            v_pad, pl_pad, d_pad, shifted = bucket(v_pad, pl_pad, d_pad, shifted)
+            assert v_pad >= n_v and pl_pad >= n_pl and d_pad >= n_d and shifted >= needs_shift, (
+                "a bucket must hold the iteration"
+            )
         prefill_samples = np.flatnonzero(is_prefill & samples)
         real_tokens = int(n_tok.sum())
-        num_tokens = v_pad * spec + d_pad if padded else real_tokens
-        num_rows = n_rows + (v_pad - n_v) + (d_pad - n_d)
-        max_full_q = spec if padded else int(n_tok[: n_p + n_v].max(initial=1))
+        num_tokens = v_pad * spec + pl_pad + d_pad if padded else real_tokens
+        num_rows = n_rows + (v_pad - n_v) + (pl_pad - n_pl) + (d_pad - n_d)
+        if padded:  # the tile of a bucket: verifications' (k + 1) queries if it has room for any
+            max_full_q = spec if v_pad else 1
+        else:
+            max_full_q = int(n_tok[:n_full].max(initial=1))
         block_m_full = block_sizes(max_full_q, self.group)[0]
         capacity = None
         if self.plan_items:
             tile_q = block_m_full // self.group
             if padded:
-                max_tiles = v_pad * -(-spec // tile_q) + d_pad
+                max_tiles = v_pad * -(-spec // tile_q) + pl_pad + d_pad
             else:
-                max_tiles = int((-(-n_tok[: n_p + n_v] // tile_q)).sum()) + n_d
+                max_tiles = int((-(-n_tok[:n_full] // tile_q)).sum()) + n_d
             capacity = plan_capacity(max_tiles, num_tokens, tile_q, self.plan_items)
         shape = StepShape(
             num_tokens=num_tokens, num_rows=num_rows, num_prefill_rows=n_p, num_verify_rows=v_pad,
-            num_draft_rows=d_pad, num_prefill_samples=len(prefill_samples), spec_len=spec,
+            num_draft_rows=d_pad, num_prefill_samples=len(prefill_samples), num_plain_rows=pl_pad, spec_len=spec,
             num_params=self.num_params, block_m_full=block_m_full, plan=capacity, padded=padded, shifted=shifted,
         )  # fmt: skip
-        a: dict[str, np.ndarray] = {"num_full_rows": np.array([n_p + n_v])}
+        a: dict[str, np.ndarray] = {"num_full_rows": np.array([n_full])}
 
         # --- tokens: row i's positions first[i] .. context[i] - 1 ---
         token_row = np.repeat(np.arange(n_rows), n_tok)
@@ -310,16 +325,19 @@ class BatchBuilder:
         a["draft_index"] = _pad(draft_index.reshape(-1), pad_v * k, dummy_base)
         a["draft_prob_row"] = _pad((v_slot[:, None] * k + steps[None, :]).reshape(-1), pad_v * k, dummy * k)
 
-        # --- logits rows: [verify x spec][drafts][prefill samples] ---
+        # --- logits rows: [verify x spec][plain][drafts][prefill samples] ---
         j = np.minimum(np.arange(spec)[None, :], v_m[:, None])  # [n_v, spec]: row j reads token j (<= m)
         v_tokens = query_start[vr][:, None] + j
         v_prefix = (offset[vr] + v_first)[:, None] + j + 1
-        dr = np.flatnonzero(is_draft)
-        tok = [v_tokens.reshape(-1), np.zeros(pad_v * spec, np.int64), query_start[dr], np.zeros(d_pad - n_d, np.int64),
-               query_start[prefill_samples + 1] - 1]  # fmt: skip
-        row_of = [np.repeat(vr, spec), np.full(pad_v * spec, -1), dr, np.full(d_pad - n_d, -1), prefill_samples]
-        prefix = [v_prefix.reshape(-1), np.ones(pad_v * spec, np.int64), offset[dr] + context[dr],
-                  np.ones(d_pad - n_d, np.int64), offset[prefill_samples] + context[prefill_samples]]  # fmt: skip
+        pr, dr = np.flatnonzero(is_plain), np.flatnonzero(is_draft)
+        pad_pl, pad_d = pl_pad - n_pl, d_pad - n_d
+        tok = [v_tokens.reshape(-1), np.zeros(pad_v * spec, np.int64), query_start[pr], np.zeros(pad_pl, np.int64),
+               query_start[dr], np.zeros(pad_d, np.int64), query_start[prefill_samples + 1] - 1]  # fmt: skip
+        row_of = [np.repeat(vr, spec), np.full(pad_v * spec, -1), pr, np.full(pad_pl, -1), dr, np.full(pad_d, -1),
+                  prefill_samples]  # fmt: skip
+        prefix = [v_prefix.reshape(-1), np.ones(pad_v * spec, np.int64), offset[pr] + context[pr],
+                  np.ones(pad_pl, np.int64), offset[dr] + context[dr], np.ones(pad_d, np.int64),
+                  offset[prefill_samples] + context[prefill_samples]]  # fmt: skip
         logits_row = np.concatenate(row_of)
         real = logits_row >= 0
         a["logits_token"] = np.concatenate(tok)
@@ -331,18 +349,19 @@ class BatchBuilder:
         a["logits_stream"], a["accept_key"] = self._keys(request_id, logits_row, real, offset, is_draft, vr, v_first,
                                                          pad_v)  # fmt: skip
 
-        # --- drafts and first tokens: where sampled tokens go ---
-        a["draft_write"] = _pad(row_base[dr] + context[dr], d_pad - n_d, dummy_base)
-        a["draft_prob_index"] = _pad(slot[dr] * k + draft_step[dr] - 1, d_pad - n_d, dummy * k)
+        # --- plain steps, drafts and first tokens: where sampled tokens go ---
+        a["plain_write"] = _pad(row_base[pr] + context[pr], pad_pl, dummy_base)
+        a["draft_write"] = _pad(row_base[dr] + context[dr], pad_d, dummy_base)
+        a["draft_prob_index"] = _pad(slot[dr] * k + draft_step[dr] - 1, pad_d, dummy * k)
         # (the induction selection's lookup: each draft row's history and old keys)
-        a["draft_row_base"] = _pad(row_base[dr], d_pad - n_d, dummy_base)
-        a["draft_recent_start"] = _pad(recent[dr], d_pad - n_d, 0)
+        a["draft_row_base"] = _pad(row_base[dr], pad_d, dummy_base)
+        a["draft_recent_start"] = _pad(recent[dr], pad_d, 0)
         a["prefill_write"] = row_base[prefill_samples] + context[prefill_samples]
 
-        # --- the attention plan (rows [0, n_p + n_v) attend fully; speculative rows get room to shift) ---
+        # --- the attention plan (rows [0, n_full) attend fully; speculative rows get room to shift) ---
         if capacity is not None:
             work, merge, _ = plan_work_lists(
-                query_start, context + max_shift, n_p + n_v, n_sel, recent, group=self.group,
+                query_start, context + max_shift, n_full, n_sel, recent, group=self.group,
                 block_m_full=block_m_full, items=self.plan_items, capacity=capacity, num_moved=self.num_moved,
             )  # fmt: skip
             a["work"], a["merge"] = work.reshape(-1), merge.reshape(-1)
@@ -352,7 +371,7 @@ class BatchBuilder:
         if shifted:  # maps to rows; padding entries map to row `num_rows`, which never shifts
             a["shift_index"] = _pad(shift_index, pad_rows, -1)
             a["token_row"] = _pad(token_row, pad_tokens, num_rows)
-            a["draft_row"] = _pad(dr, d_pad - n_d, num_rows)
+            a["draft_row"] = _pad(dr, pad_d, num_rows)
             a["logits_row"] = np.where(real, logits_row, num_rows)
         host_rows = {
             "slot": slot[logits_row[real]],
@@ -360,8 +379,8 @@ class BatchBuilder:
             "params": params[logits_row[real]],
             "index": np.flatnonzero(real),
         }
-        verify_rows = [rows[i] for i in vr]
-        return HostBatch(shape, rows, verify_rows, [rows[i] for i in prefill_samples], a, host_rows, updates)
+        return HostBatch(shape, rows, [rows[i] for i in vr], [rows[i] for i in pr], [rows[i] for i in prefill_samples],
+                         a, host_rows, updates)  # fmt: skip
 
 
     def _keys(self, request_id, logits_row, real, offset, is_draft, vr, v_first, pad_v):

@@ -143,6 +143,14 @@ class SparseSpecConfig:
             Lossless (only acceptance changes). On Qwen2.5-Coder-1.5B with n = 2: 7.20 accepted of 8
             against 7.31 (teacher-forced, 960 cycles, `"induction_diagonal"`), and an 8K-context
             iteration at 256 rows 5.3 % shorter (docs/measurements.md 18); 1 until measured end to end.
+        min_draft_context: the shortest context (prompt and generated tokens) a request drafts at;
+            until its context reaches it, a request decodes with plain one-token steps (full
+            attention, no drafts, no verification, as `num_draft_tokens=0`), then it joins the
+            cycles. At short contexts a drafting cycle costs more than the tokens it saves: every
+            committed token runs through the model twice (as a draft, then in its verification), and
+            the verification's second read of its keys and the drafts' own reads buy back little
+            while the KV is small. Lossless, and the switch depends on the request alone (its
+            sampled output still does not depend on the batch). 0 (the default): draft from the start.
     """
 
     num_draft_tokens: int = 8
@@ -169,6 +177,7 @@ class SparseSpecConfig:
     plain_tail_rows: int = 0  # from here on last, so that positional arguments keep their meaning
     overlap_scoring: bool = False
     selection_refresh_interval: int = 1
+    min_draft_context: int = 0
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -216,6 +225,7 @@ class SparseSpecConfig:
         _check_int("offload_chunk_tokens", self.offload_chunk_tokens, 1)
         _check_choice("backend", self.backend, BACKENDS)
         _check_int("selection_refresh_interval", self.selection_refresh_interval, 1, 64)
+        _check_int("min_draft_context", self.min_draft_context, 0)
         if self.selection_refresh_interval > 1 and self.selection not in SCORED_SELECTIONS:
             raise ValueError(
                 f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "

@@ -140,6 +140,7 @@ class Engine:
             num_sink_tokens=config.num_sink_tokens, use_graphs=use_graphs, cache_kwarg=cache_kwarg_name(model),
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
             compile_forward=config.compile_forward, tp_group=tp_group, overlap_scoring=config.overlap_scoring,
+            compiles_plain_shapes=config.min_draft_context > 0,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 
@@ -201,7 +202,7 @@ class Engine:
                             num_part_rows=(MAX_BLOCK_M // group) * 2 * items) if items else None  # fmt: skip
         shape = StepShape(
             num_tokens=tokens, num_rows=rows, num_prefill_rows=0, num_verify_rows=slots, num_draft_rows=slots,
-            num_prefill_samples=slots, spec_len=spec, num_params=num_params, block_m_full=0, plan=plan, padded=False,
+            num_prefill_samples=slots, num_plain_rows=slots, spec_len=spec, num_params=num_params, block_m_full=0, plan=plan, padded=False,
         )  # fmt: skip
         return shape, tokens // self.config.page_size + 2 * rows
 
@@ -236,15 +237,14 @@ class Engine:
     def _read(self, pending: PendingResults) -> None:
         values = pending.read()
         batch, width = pending.batch, self.k + 2
-        first_tokens = values[batch.shape.num_verify_rows * width :]
+        plain_start = batch.shape.num_verify_rows * width
+        first_tokens = values[plain_start + batch.shape.num_plain_rows :]
         for row, token in zip(batch.prefill_sample_rows, first_tokens):
-            request = row.request
-            if request.finished:
-                continue
-            kept, reason = self._commit(request, [token])
-            self._emit(request, [token])
-            if reason is not None:
-                self._finish(request, reason)
+            self._commit_token(row.request, token)
+        # plain steps (the scheduler committed them already) before the verifications: the requests they
+        # finish leave before the verifications start their next cycles (which see whether the tail began)
+        for row, token in zip(batch.plain_rows, values[plain_start:]):
+            self._commit_token(row.request, token, drafted=0)
         for index, row in enumerate(batch.verify_rows):
             request = row.request
             if request.finished:
@@ -256,9 +256,18 @@ class Engine:
             self._emit(request, committed[:kept])
             if reason is not None:
                 self._finish(request, reason)
-            elif not row.committed:  # plain steps committed their token when scheduled
+            else:
                 self.scheduler.commit_verification(request, kept)
                 self.scheduler.start_cycle(request, self.scheduler.iteration)
+
+    def _commit_token(self, request: Request, token: int, drafted: int | None = None) -> None:
+        """A first token (after prefill) or a plain step's: one token, no verification."""
+        if request.finished:
+            return
+        kept, reason = self._commit(request, [token], drafted)
+        self._emit(request, [token][:kept])
+        if reason is not None:
+            self._finish(request, reason)
 
     def _commit(self, request: Request, tokens: list[int], drafted: int | None = None) -> tuple[int, str | None]:
         """The stop checker keeps the tokens up to the request's stop and records its statistics. Stopping

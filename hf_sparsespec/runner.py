@@ -17,7 +17,8 @@ Buffers owned here (the last row of every per-slot buffer is the dummy slot that
     draft_probs   [(num_slots + 1) * k, vocab] fp32     processed draft distributions (sampling only)
     page_table    [num_slots + 1, max_pages] int32      every slot's pages (updated with new entries)
     staging (x2, pinned) / metadata                     the int32 fields of `batch.StepShape.fields`
-    results       int64: per verify slot [accepted, k drafts, next], then prefill first tokens
+    results       int64: per verify slot [accepted, k drafts, next], then plain steps' tokens, then
+                  prefill first tokens
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class ModelRunner:
                  num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
                  logits_to_keep: bool, max_context: int, compile_forward: bool = False,
-                 tp_group=None, overlap_scoring: bool = False) -> None:  # fmt: skip
+                 tp_group=None, overlap_scoring: bool = False, compiles_plain_shapes: bool = False) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
@@ -121,7 +122,7 @@ class ModelRunner:
         self.staging_uploaded: list[torch.cuda.Event | None] = [None, None]
         self.staging_index = 0
         self.metadata = torch.zeros(size, dtype=torch.int32, device=device)
-        num_results = largest.num_verify_rows * (k + 2) + largest.num_prefill_samples
+        num_results = largest.num_verify_rows * (k + 2) + largest.num_plain_rows + largest.num_prefill_samples
         self.results = torch.zeros(num_results, dtype=torch.long, device=device)
         self.result_ring = [torch.zeros(num_results, dtype=torch.long, pin_memory=pinned) for _ in range(3)]
         self.ring_index = 0
@@ -163,6 +164,7 @@ class ModelRunner:
         # padded decode iterations may run the forward compiled (the attention ops as custom ops); the
         # iterations' sizes vary independently, so equal sizes must not share a symbol (duck shaping)
         self.compiled_forward = None
+        self.compiles_plain_shapes = compiles_plain_shapes or k == 0
         if compile_forward:
             import torch.fx.experimental._config as fx_config
 
@@ -179,12 +181,12 @@ class ModelRunner:
             history = history.pin_memory()
         self.token_buffer[slot, : len(tokens)].copy_(history, non_blocking=True)
 
-    def bucket(self, verify_rows: int, draft_rows: int, shifted: bool) -> Bucket:
+    def bucket(self, verify_rows: int, plain_rows: int, draft_rows: int, shifted: bool) -> Bucket:
         """The bucket to build a padded decode iteration for (`graph_buckets.GraphBuckets.choose`):
         with graphs, a new bucket replays a larger captured one while it is new."""
         if not self.use_graphs:
-            return verify_rows, draft_rows, shifted
-        return self.buckets.choose((verify_rows, draft_rows, shifted))
+            return verify_rows, plain_rows, draft_rows, shifted
+        return self.buckets.choose((verify_rows, plain_rows, draft_rows, shifted))
 
     def run(self, batch: HostBatch) -> PendingResults:
         shape = batch.shape
@@ -327,7 +329,7 @@ class ModelRunner:
         # instead and must see the same ints when replayed as when captured (or it would recompile there)
         num_full_rows = shape.num_prefill_rows
         if batch is not None and not compiled:
-            num_full_rows += len(batch.verify_rows)
+            num_full_rows += len(batch.verify_rows) + len(batch.plain_rows)
         step = StepBatch(
             backend=self.backend,
             cache=self.cache,
@@ -357,7 +359,7 @@ class ModelRunner:
         )
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
-        v, d = shape.num_verify_rows, shape.num_draft_rows
+        v, pl, d = shape.num_verify_rows, shape.num_plain_rows, shape.num_draft_rows
         if self.scoring_stream is not None and v:
             step.aside = ScoringAside.for_step(self.scoring_stream, self.aside_query, self.aside_lse,
                                                f["verify_query_start"], v * spec, shape.num_tokens)  # fmt: skip
@@ -368,7 +370,7 @@ class ModelRunner:
             moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
             self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
                                               step.verify_slots, moves, step.best, self.group)  # fmt: skip
-        # Verifications sample inside the acceptance; drafts and first tokens sample here, each row from
+        # Verifications sample inside the acceptance; plain steps, drafts and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         rows = LogitsRows(
             slot=f["logits_slot"].long(),
@@ -420,11 +422,14 @@ class ModelRunner:
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
+        if pl:  # committed: the request's next row reads it
+            flat_tokens[f["plain_write"].long()] = tokens[:pl]
+            results.append(tokens[:pl])
         if d:
-            draft_probs = probs[v * spec : v * spec + d] if probs is not None else None
-            self._store_drafts(draft_write, f["draft_prob_index"].long(), tokens[:d], draft_probs)
+            draft_probs = probs[v * spec + pl : v * spec + pl + d] if probs is not None else None
+            self._store_drafts(draft_write, f["draft_prob_index"].long(), tokens[pl : pl + d], draft_probs)
         if shape.num_prefill_samples:
-            first = tokens[d:]
+            first = tokens[pl + d :]
             flat_tokens[f["prefill_write"].long()] = first
             results.append(first)
         if results:
@@ -472,13 +477,17 @@ class ModelRunner:
         """Whether the forward of `shape` runs compiled: padded decode shapes with verification rows
         and draft rows counts of 0 or >= 2, after the first eager forward checked the attention.
         Dynamo specialises sizes 0 and 1, and the attention branches on whether any row verifies,
-        so shapes without verifications (the tail of a batch, with few rows) or with one row of a
-        kind would each compile the whole forward anew (88 s on the H200 in the middle of a run,
-        docs/measurements.md 8): they run eagerly (in their CUDA graphs) instead."""
+        so shapes with one row of a kind, or without verifications, would each compile the whole
+        forward anew (88 s on the H200 in the middle of a run, docs/measurements.md 8): they run
+        eagerly (in their CUDA graphs) instead. Shapes without verifications compile when plain steps
+        are a phase of every request (`compiles_plain_shapes`: autoregressive mode, or
+        `min_draft_context`), not only the tail of a batch. Plain steps have no tensors of their own
+        in the forward, so their count does not matter."""
         if self.compiled_forward is None or not shape.padded or not self.checked_attention:
             return False
         verify, draft = shape.num_verify_rows, shape.num_draft_rows
-        return verify >= 2 and (draft == 0 or draft >= 2) and shape.num_tokens >= 2
+        verify_ok = verify >= 2 or (verify == 0 and self.compiles_plain_shapes)
+        return verify_ok and (draft == 0 or draft >= 2) and shape.num_tokens >= 2
 
     def _model_logits(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         """The model's forward: logits of the rows `logits_index` (`[1, num_logits, vocab]` or all rows
@@ -512,4 +521,4 @@ class ModelRunner:
 
 def _bucket_of(shape: StepShape) -> Bucket:
     """The bucket a padded decode shape was built for (`BatchBuilder.build`): it determines the shape."""
-    return shape.num_verify_rows, shape.num_draft_rows, shape.shifted
+    return shape.num_verify_rows, shape.num_plain_rows, shape.num_draft_rows, shape.shifted

@@ -39,12 +39,15 @@ KV pages (`kv_manager.KVManager`): before the rows of an iteration are built, th
 the pages they need free, offloading whole requests to the host if it must; an offloaded request
 keeps its phase and gets no rows until it is restored. Admission asks the KV manager too.
 
-Plain steps: a cycle of 0 drafts is a "verification" of zero drafts, which always commits exactly
-one token; so the request commits it at scheduling time (its value stays on the device) and runs
+Plain steps (`RowKind.PLAIN`): a cycle of 0 drafts would be a "verification" of zero drafts, which
+always commits exactly one token; so it runs as a one-token row with full attention whose sampled
+token the request commits at scheduling time (its value stays on the device), and the request runs
 again in the next iteration, without waiting for the host to read the result. Every cycle is one in
-autoregressive mode (k = 0); a cycle with one token to go is one; and with `plain_tail_rows`, once at
-most that many requests are left (decoding or waiting), every remaining request's cycles are (the
-tail, where an iteration is bound by its launches and drafting only slows a request down).
+autoregressive mode (k = 0); a cycle with one token to go is one; with `min_draft_context`, every
+cycle while the request's context is shorter (where a drafting cycle costs more than the tokens it
+saves), after which the request joins a phase bucket as a new one does; and with `plain_tail_rows`,
+once at most that many requests are left (decoding or waiting), every remaining request's cycles are
+(the tail, where an iteration is bound by its launches and drafting only slows a request down).
 """
 
 from __future__ import annotations
@@ -82,9 +85,12 @@ class Phase(enum.Enum):
 
 
 class RowKind(enum.IntEnum):
+    """In the order rows run in an iteration (`Scheduler.schedule`)."""
+
     PREFILL = 0
-    VERIFY = 1
-    DRAFT = 2
+    VERIFY = 1  # the last committed token and m >= 1 drafts, full attention
+    PLAIN = 2  # a plain step: a cycle of 0 drafts, one token with full attention, committed when scheduled
+    DRAFT = 3
 
 
 @dataclass(eq=False)
@@ -154,7 +160,6 @@ class ScheduledRow:
     budget: int = 0  # VERIFY: keys the selection keeps for the next cycle
     speculative: bool = False  # DRAFT right after a verification with an unread result
     max_shift: int = 0  # speculative DRAFT: the most positions the device may shift it by (drafts verified)
-    committed: bool = False  # VERIFY of 0 drafts (a plain step): its one token was committed when scheduled
     refreshes: bool = True  # VERIFY: scores its old keys and selects the next cycle's (`selection_refresh_interval`)
 
     @property
@@ -211,9 +216,10 @@ class Scheduler:
 
     # --- one iteration ------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledRow]:
-        """Rows of the next iteration, ordered prefill, verify, draft (the attention relies on it)."""
+        """Rows of the next iteration, ordered prefill, verify, plain, draft (the attention relies on it)."""
         prefill_rows: list[ScheduledRow] = []
         verify_rows: list[ScheduledRow] = []
+        plain_rows: list[ScheduledRow] = []
         draft_rows: list[ScheduledRow] = []
         prefill_budget = self.config.prefill_chunk_size
         self.kv.prepare(self)
@@ -223,6 +229,8 @@ class Scheduler:
                 continue
             if request.phase is Phase.DRAFT:
                 draft_rows.append(self._draft_row(request))
+            elif request.phase is Phase.VERIFY and request.cycle_drafts == 0:
+                plain_rows.append(self._plain_row(request))
             elif request.phase is Phase.VERIFY:
                 verify_rows.append(self._verify_row(request))
             elif request.phase is Phase.VERIFYING:
@@ -240,7 +248,7 @@ class Scheduler:
             row = self._prefill_row(request, prefill_budget)
             prefill_budget -= row.num_tokens
             prefill_rows.append(row)
-        rows = prefill_rows + verify_rows + draft_rows
+        rows = prefill_rows + verify_rows + plain_rows + draft_rows
         if rows:
             self.iteration += 1
         return rows
@@ -275,16 +283,22 @@ class Scheduler:
             request.phase = Phase.VERIFY
         return ScheduledRow(request, RowKind.DRAFT, position, 1, samples=True, draft_index=request.drafts_done)
 
+    def _plain_row(self, request: Request) -> ScheduledRow:
+        """A cycle of 0 drafts: one token, committed now (the next row reads it on the device). A
+        request whose context was below `min_draft_context` starts drafting once it reaches it."""
+        row = ScheduledRow(request, RowKind.PLAIN, request.num_committed - 1, 1, samples=True)
+        self.allocator.ensure(request.request_id, row.context_len)
+        request.num_committed += 1
+        if request.num_committed >= request.max_total_len:
+            request.phase = Phase.AWAIT  # the last token: wait for the host to read and finish it
+        elif request.num_committed == self.config.min_draft_context and not self.autoregressive:
+            self.start_cycle(request, self.iteration + 1, first=True)  # joins a phase bucket, as after prefill
+        return row
+
     def _verify_row(self, request: Request) -> ScheduledRow:
         first = request.num_committed - 1
         row = ScheduledRow(request, RowKind.VERIFY, first, request.cycle_drafts + 1, samples=True)
         self.allocator.ensure(request.request_id, row.context_len)
-        if request.cycle_drafts == 0:  # a plain step: one token, committed now; the next row reads it on the device
-            request.num_committed += 1
-            row.committed = True
-            if request.num_committed >= request.max_total_len:
-                request.phase = Phase.AWAIT  # the last token: wait for the host to read and finish it
-            return row
         row.refreshes = request.num_verifications % self.config.selection_refresh_interval == 0
         request.num_verifications += 1
         if row.refreshes:
@@ -321,7 +335,8 @@ class Scheduler:
             request.draft_target = self.k
         remaining = request.max_total_len - request.num_committed
         # the tail only grows (requests leave, none join): once in it, every later cycle is a plain step
-        drafts = max(min(0 if self._in_tail() else request.draft_target, remaining - 1), 0)
+        plain = self._in_tail() or request.num_committed < self.config.min_draft_context
+        drafts = max(min(0 if plain else request.draft_target, remaining - 1), 0)
         drafts_done = 0
         if request.speculated_iteration >= 0 and drafts > 0:
             first_draft_iteration, drafts_done = request.speculated_iteration, 1

@@ -90,7 +90,7 @@ def simulate(config: SparseSpecConfig, specs: dict[int, tuple[int, int]], num_sl
                 request.generated.append(0)
                 if request.max_new_tokens <= 1:
                     scheduler.finish(request, "length")
-            elif row.kind is RowKind.VERIFY and row.committed:  # a plain step: its token committed when scheduled
+            elif row.kind is RowKind.PLAIN:  # a plain step: its token committed when scheduled
                 assert row.num_tokens == 1 and request.num_committed == request.max_total_len  # the last token
                 lengths[request.request_id].append(0)
                 request.generated.append(0)

@@ -81,5 +81,22 @@ def test_run_names_map_to_config_fields():
     assert run_fields("pillar_tail_refresh3_unfused", args) == dict(
         selection="pillar", plain_tail_rows=32, selection_refresh_interval=3)
     assert run_fields("pillar_tail", args) == dict(selection="pillar", plain_tail_rows=32)
+    assert run_fields("induction_diagonal_compiled_refresh2_from2048", args) == dict(
+        selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, min_draft_context=2048)
+    assert run_fields("pillar_from512_unfused", args) == dict(selection="pillar", min_draft_context=512)
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
+    with pytest.raises(KeyError):
+        run_fields("pillar_fromage", args)
+
+
+def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():
+    from e2e_throughput import warm_configs
+
+    from hf_sparsespec import SparseSpecConfig
+
+    prompts = [[1] * 120, [1] * 250, [1] * 90]
+    plain = SparseSpecConfig(min_draft_context=2048)
+    assert warm_configs(SparseSpecConfig(), prompts, 48) == [SparseSpecConfig()]
+    drafting, crossing = warm_configs(plain, prompts, 48)
+    assert drafting.min_draft_context == 0 and crossing.min_draft_context == 250 + 1 + 24

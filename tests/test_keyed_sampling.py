@@ -167,19 +167,20 @@ def test_keyed_rejection_sampling_reproduces_the_target_distribution():
     assert 0.2 < accepted.float().mean() / k < 0.9
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
-def test_sampled_outputs_do_not_depend_on_the_batch(adaptive):
+@pytest.mark.parametrize("variant", [{}, dict(adaptive_draft_tokens=True), dict(min_draft_context=9)],
+                         ids=["fixed-k", "adaptive-k", "plain-below-9"])  # fmt: skip
+def test_sampled_outputs_do_not_depend_on_the_batch(variant):
     """Same seed: each request's sampled tokens are the same whether it runs with 7 others, with at
     most 3 at a time, under a tight page pool, with the naive scheduler, or without delayed verification;
-    with adaptive draft lengths too (each request's lengths follow its own acceptance)."""
+    with adaptive draft lengths too (each request's lengths follow its own acceptance), and with plain
+    steps until a request's context reaches 9 tokens (the switch is the request's own)."""
     model = tiny_model("llama")
     prompts = [[5, 17, 3], [9] * 11, [40, 41, 42, 43, 44, 45, 46], [2], [8, 9], [30, 31, 32, 33], [60] * 5, [1, 2, 3]]
     gc = GenerationConfig(max_new_tokens=30, do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=None)
 
     def generated(**overrides):
         torch.manual_seed(3)
-        config = SparseSpecConfig(**{"num_draft_tokens": 4, "min_budget": 4, "page_size": 4,
-                                     "adaptive_draft_tokens": adaptive, **overrides})  # fmt: skip
+        config = SparseSpecConfig(**{"num_draft_tokens": 4, "min_budget": 4, "page_size": 4, **variant, **overrides})
         return [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc, config)]
 
     reference = generated()

@@ -1,5 +1,5 @@
 """`plain_tail_rows`: once the batch has shrunk to a few requests (nobody waiting), they finish with plain
-one-token steps (cycles of 0 drafts, committed when scheduled). Outputs stay exact: greedy equals plain
+one-token steps (cycles of 0 drafts: plain rows, committed when scheduled). Outputs stay exact: greedy equals plain
 `generate`, sampling keeps the model's distribution, and the switch survives offloads."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_without_the_tail_option_requests_keep_drafting():
 
 
 def test_plain_steps_commit_when_scheduled():
-    """In the tail a request runs a one-token verification every iteration, without waiting for its result."""
+    """In the tail a request runs a one-token plain step every iteration, without waiting for its result."""
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, plain_tail_rows=1)
     scheduler = Scheduler(config, PageAllocator(64, 4), num_slots=2)
     request = Request(request_id=0, prompt=[1, 2, 3], max_new_tokens=5)
@@ -73,7 +73,7 @@ def test_plain_steps_commit_when_scheduled():
     assert prefill.kind is RowKind.PREFILL and request.num_committed == 4
     for expected_committed in (5, 6, 7, 8):
         (row,) = scheduler.schedule()
-        assert row.kind is RowKind.VERIFY and row.num_tokens == 1 and row.committed
+        assert row.kind is RowKind.PLAIN and row.num_tokens == 1
         assert request.num_committed == expected_committed
     assert not scheduler.schedule()  # the last token is committed: the request awaits its read
 

@@ -28,7 +28,7 @@ def test_every_nth_verification_refreshes_and_the_others_keep_the_window(delayed
             break
         rows = scheduler.schedule()
         for row in rows:
-            if row.kind is RowKind.VERIFY and not row.committed:
+            if row.kind is RowKind.VERIFY:
                 refreshes.append(row.refreshes)
                 if row.refreshes:  # the next cycle's window starts at this block, its keys scored up to it
                     assert request.pending_recent_start == row.first_position and row.budget > 0
@@ -40,7 +40,7 @@ def test_every_nth_verification_refreshes_and_the_others_keep_the_window(delayed
         pending.append(rows)
         while len(pending) > (1 if delayed else 0):
             for row in pending.pop(0):
-                if row.kind is RowKind.VERIFY and not row.committed:
+                if row.kind is RowKind.VERIFY:
                     scheduler.commit_verification(request, 2)  # one draft accepted of each cycle
                     if request.num_committed >= request.max_total_len - 1:
                         scheduler.finish(request, "length")

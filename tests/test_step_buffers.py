@@ -44,7 +44,7 @@ def _reference_fields(rows, allocator, width, k, num_slots):
     verification that keeps its selection (`refreshes` False) scores no key into the dummy slot."""
     f = {name: [] for name in ("input_index", "position", "kv_slot", "query_start", "context_len", "recent_start",
                                "num_selected", "selection_slot", "logits_token", "logits_prefix_len",
-                               "logits_slot", "draft_write", "draft_prob_index", "prefill_write",
+                               "logits_slot", "plain_write", "draft_write", "draft_prob_index", "prefill_write",
                                "verify_base", "num_drafts", "num_old_keys", "budget", "verify_slot", "shift_index",
                                "logits_key", "accept_key")}  # fmt: skip
     f["query_start"].append(0)
@@ -65,7 +65,7 @@ def _reference_fields(rows, allocator, width, k, num_slots):
         f["num_selected"].append(selected if is_draft else 0)
         f["selection_slot"].append(request.slot if is_draft else 0)
         f["shift_index"].append(request.verify_result_index * (k + 2) if row.speculative else -1)
-    logits = {RowKind.VERIFY: [], RowKind.DRAFT: [], RowKind.PREFILL: []}
+    logits = {RowKind.VERIFY: [], RowKind.PLAIN: [], RowKind.DRAFT: [], RowKind.PREFILL: []}
     for index, row in enumerate(rows):
         request, start = row.request, f["query_start"][index]
         base = request.slot * width + request.history_offset
@@ -84,6 +84,10 @@ def _reference_fields(rows, allocator, width, k, num_slots):
             for j in range(k):
                 position = request.history_offset + row.first_position + 1 + j
                 f["accept_key"].append((request.request_id, position, ACCEPT_NOISE))
+        elif row.kind is RowKind.PLAIN:  # one token, sampled from the target's noise and committed
+            logits[row.kind].append((start, request.history_offset + row.context_len, request.slot,
+                                     (request.request_id, request.history_offset + row.context_len, TARGET_NOISE)))  # fmt: skip
+            f["plain_write"].append(base + row.context_len)
         elif row.kind is RowKind.DRAFT:
             logits[row.kind].append((start, request.history_offset + row.context_len, request.slot,
                                      (request.request_id, request.history_offset + row.context_len, DRAFT_NOISE)))  # fmt: skip
@@ -93,7 +97,7 @@ def _reference_fields(rows, allocator, width, k, num_slots):
             logits[row.kind].append((start + row.num_tokens - 1, request.history_offset + row.context_len, request.slot,
                                      (request.request_id, request.history_offset + row.context_len, TARGET_NOISE)))  # fmt: skip
             f["prefill_write"].append(base + row.context_len)
-    for kind in (RowKind.VERIFY, RowKind.DRAFT, RowKind.PREFILL):
+    for kind in (RowKind.VERIFY, RowKind.PLAIN, RowKind.DRAFT, RowKind.PREFILL):
         for token, prefix, slot, key in logits[kind]:
             f["logits_key"].append(key)
             f["logits_token"].append(token)
@@ -115,8 +119,10 @@ def schedules(draw):
         if kind is RowKind.PREFILL:
             first, n = draw(st.integers(0, 40)), draw(st.integers(1, 30))
             specs.append((kind, slot, offset, first, n, draw(st.booleans()), 0, 0, 0, 0))
+        elif kind is RowKind.PLAIN:
+            specs.append((kind, slot, offset, draw(st.integers(1, 60)), 1, True, 0, 0, 0, 0))
         elif kind is RowKind.VERIFY:
-            first, m = draw(st.integers(1, 60)), draw(st.integers(0, k))
+            first, m = draw(st.integers(1, 60)), draw(st.integers(1, k))
             specs.append((kind, slot, offset, first, m + 1, True, 0, draw(st.integers(0, first)), 0, 0))
         else:
             position = draw(st.integers(1, 60))
@@ -179,6 +185,8 @@ def test_builder_equals_the_per_row_construction(schedule):
     assert accept[: n_verify * k].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["accept_key"]]
     assert not accept[n_verify * k :].any()
     assert real[: n_verify * spec] == list(range(n_verify * spec))
+    n_plain = len(ref["plain_write"])
+    assert a["plain_write"].tolist() == ref["plain_write"] + [dummy] * (shape.num_plain_rows - n_plain)
     n_draft = len(ref["draft_write"])
     assert a["draft_write"][:n_draft].tolist() == ref["draft_write"]
     assert (a["draft_write"][n_draft:] == dummy).all()
@@ -192,12 +200,14 @@ def test_builder_equals_the_per_row_construction(schedule):
         assert a["draft_row"].tolist() == draft_rows + [shape.num_rows] * (shape.num_draft_rows - len(draft_rows))
         assert a["logits_row"][real].tolist() == [
             i for i, r in enumerate(rows) if r.kind is RowKind.VERIFY for _ in range(spec)
-        ] + [i for i, r in enumerate(rows) if r.kind is RowKind.DRAFT] + [
+        ] + [i for i, r in enumerate(rows) if r.kind is RowKind.PLAIN] + [
+            i for i, r in enumerate(rows) if r.kind is RowKind.DRAFT] + [
             i for i, r in enumerate(rows) if r.kind is RowKind.PREFILL and r.samples]
     else:
         assert all(index == -1 for index in ref["shift_index"])
     if pad and not any(r.kind is RowKind.PREFILL for r in rows):
-        assert shape.padded and shape.num_tokens == shape.num_verify_rows * spec + shape.num_draft_rows
+        assert shape.padded
+        assert shape.num_tokens == shape.num_verify_rows * spec + shape.num_plain_rows + shape.num_draft_rows
     assert shape.num_rows >= n_rows and shape.size == sum(aligned(n) for _, n in shape.fields())
     # the work list covers each (row, key) of the real rows once; padding items are no-ops
     work = a["work"].reshape(-1, 5)
