@@ -99,7 +99,7 @@ def _measure(model, prompts, args, run: str) -> dict:
             engine.step()
             wall.append(1000 * (time.perf_counter() - start))
             shape = shapes[-1]
-            rows.append((shape.num_tokens, shape.num_verify_rows, shape.num_plain_rows, shape.num_draft_rows))
+            rows.append((shape.num_tokens, shape.num_verify_rows, shape.num_single_rows))
         torch.cuda.synchronize()
         result["wall_ms_per_iteration"] = 1000 * (time.perf_counter() - began) / args.iterations
         gpu = runner.counters.gpu_milliseconds()
@@ -108,9 +108,8 @@ def _measure(model, prompts, args, run: str) -> dict:
         result["step_host_ms_median"] = float(np.median(wall))
         result["replays"] = runner.counters.graph_replays - replays
         result["eager"] = runner.counters.eager_iterations - eager
-        tokens, verify, plain, draft = np.array(rows).mean(axis=0) if rows else (0, 0, 0, 0)
-        result |= dict(padded_tokens=float(tokens), verify_rows=float(verify), plain_rows=float(plain),
-                       draft_rows=float(draft))  # fmt: skip
+        tokens, verify, single = np.array(rows).mean(axis=0) if rows else (0, 0, 0)
+        result |= dict(padded_tokens=float(tokens), verify_rows=float(verify), single_rows=float(single))
         if args.profile:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.profile_iterations):
@@ -179,13 +178,13 @@ def main() -> None:
             )
     print(f"\nbatch {args.batch}, prompts {args.prompt_tokens or '100-250'} tokens, {args.iterations} timed iterations")
     print(
-        "| run | padded tokens (verify / plain / draft rows) | wall ms / iter | GPU ms / iter | host ms / step (median) "
+        "| run | padded tokens (verify / one-token rows) | wall ms / iter | GPU ms / iter | host ms / step (median) "
         "| replays / eager | kernels ms / launches |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in results:
         kernels = f"{r['kernel_ms_per_iteration']:.2f} / {r['launches_per_iteration']:.0f}" if args.profile else "-"
-        print(f"| {r['run']} | {r['padded_tokens']:.0f} ({r['verify_rows']:.0f} / {r['plain_rows']:.0f} / {r['draft_rows']:.0f}) "
+        print(f"| {r['run']} | {r['padded_tokens']:.0f} ({r['verify_rows']:.0f} / {r['single_rows']:.0f}) "
               f"| {r['wall_ms_per_iteration']:.2f} | {r['gpu_ms_per_iteration']:.2f} | "
               f"{r['step_host_ms_median']:.2f} | {r['replays']} / {r['eager']} | {kernels} |")  # fmt: skip
 

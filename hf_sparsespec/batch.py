@@ -12,20 +12,23 @@ drafts, in that order). This module turns them into every index the device step 
     keys     logits_stream [logits rows x 2]: each draw's noise stream (the device folds in the
              position of the drawn token), accept_key [verify rows x k x 2]: each acceptance test's
              key (`sampling.sample_keys`; zeros under greedy decoding)
-    plain    write                                         [plain rows]
-    drafts   write, prob_index                             [draft rows]
+    singles  write, prob_index, row_base, recent_start     [one-token rows: plain steps, then drafts]
     prefill  write                                         [sampling prefill rows]
     plan     work [num_work x 5], merge [num_merge x 5]    (Triton backend only)
-    shifts   shift_index [rows]; token_row, draft_row, logits_row    (iterations with speculative rows)
+    shifts   shift_index [rows]; token_row, single_row, logits_row    (iterations with speculative rows)
 and, after the fields of the shape, the new page-table entries: flat index, then page.
 
-Shapes (`StepShape`): an iteration without prefill rows is padded to a bucket (verify, plain and draft
+Shapes (`StepShape`): an iteration without prefill rows is padded to a bucket (verify rows and one-token
 rows rounded up) so that a CUDA graph can replay it: padded rows and tokens read slot `num_slots` (the
 dummy slot of every per-slot buffer), write the KV cache nowhere (`kv_slot = -1`) and sample into
-the dummy slot. Logits rows are laid out `[verify rows x (k + 1)][plain rows][draft rows][prefill
-samples]`, so a verification's k + 1 target distributions are a fixed-stride block. A verify row
-takes k + 1 tokens of its bucket, a plain step (a cycle of 0 drafts: one token, attending fully,
-its sample committed) one.
+the dummy slot. Logits rows are laid out `[verify rows x (k + 1)][one-token rows][prefill samples]`,
+so a verification's k + 1 target distributions are a fixed-stride block. One-token rows are plain
+steps (cycles of 0 drafts: attending fully, their sample committed), then drafts; where one kind ends
+is data (the attention's count of full rows, each row's write indices and noise keys), not shape, so
+requests that move from plain steps to drafting (`min_draft_context`) or back (the tail) keep their
+iterations in the buckets, and the graphs, they had. The step writes every one-token row's sample
+into the token history and its probabilities to `prob_index` (a plain step's: the dummy slot's), and
+returns every one-token row's token; the host reads the plain steps'.
 
 Speculative rows (a request's first draft right after its verification, see `scheduler.py`) are
 built as if the verification accepted 0 drafts; `shift_index` points at that verification's
@@ -65,9 +68,8 @@ class StepShape:
     num_rows: int
     num_prefill_rows: int
     num_verify_rows: int
-    num_draft_rows: int
+    num_single_rows: int  # one-token rows: plain steps, then drafts
     num_prefill_samples: int
-    num_plain_rows: int
     spec_len: int  # k + 1: logits rows per verify row
     num_params: int  # per-row parameters of the vectorised logits processors
     block_m_full: int
@@ -77,11 +79,11 @@ class StepShape:
 
     @property
     def num_logits(self) -> int:
-        return self.num_verify_rows * self.spec_len + self.num_plain_rows + self.num_draft_rows + self.num_prefill_samples
+        return self.num_verify_rows * self.spec_len + self.num_single_rows + self.num_prefill_samples
 
     def fields(self) -> list[tuple[str, int]]:
         """(name, int32 count) in staging order."""
-        t, r, v, d = self.num_tokens, self.num_rows, self.num_verify_rows, self.num_draft_rows
+        t, r, v, s = self.num_tokens, self.num_rows, self.num_verify_rows, self.num_single_rows
         k, n = self.spec_len - 1, self.num_logits
         plan = self.plan or PlanCapacity(0, 0, 0)
         return [
@@ -92,13 +94,12 @@ class StepShape:
             ("verify_first_position", v), ("num_drafts", v), ("verify_base", v),
             ("draft_index", v * k), ("draft_prob_row", v * k),
             ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
-            ("plain_write", self.num_plain_rows),
-            ("draft_write", d), ("draft_prob_index", d), ("draft_row_base", d), ("draft_recent_start", d),
+            ("single_write", s), ("single_prob_index", s), ("single_row_base", s), ("single_recent_start", s),
             ("prefill_write", self.num_prefill_samples),
             ("logits_stream", 2 * n), ("accept_key", 2 * v * k),
             ("work", plan.num_work * 5), ("merge", plan.num_merge * 5),
             ("shift_index", r if self.shifted else 0), ("token_row", t if self.shifted else 0),
-            ("draft_row", d if self.shifted else 0), ("logits_row", n if self.shifted else 0),
+            ("single_row", s if self.shifted else 0), ("logits_row", n if self.shifted else 0),
         ]  # fmt: skip
 
     @property
@@ -170,7 +171,7 @@ class HostBatch:
     @property
     def num_results(self) -> int:
         shape = self.shape
-        return shape.num_verify_rows * (shape.spec_len + 1) + shape.num_plain_rows + shape.num_prefill_samples
+        return shape.num_verify_rows * (shape.spec_len + 1) + shape.num_single_rows + shape.num_prefill_samples
 
 
 class BatchBuilder:
@@ -202,7 +203,7 @@ class BatchBuilder:
         self.num_params, self.pad = num_params, pad
 
     def build(self, rows: list[ScheduledRow], allocator, bucket=None) -> HostBatch:
-        """`bucket(verify_rows, plain_rows, draft_rows, shifted) -> (verify_rows', ..., shifted')`, optional:
+        """`bucket(verify_rows, single_rows, shifted) -> (verify_rows', single_rows', shifted')`, optional:
         the bucket to pad a decode iteration to instead of its own (at least as large, shifted if it is;
         the runner's `bucket`, which picks a captured graph)."""
         k, spec, width, dummy = self.k, self.k + 1, self.width, self.num_slots
@@ -245,6 +246,7 @@ class BatchBuilder:
         is_plain = kind == RowKind.PLAIN
         n_p, n_v, n_pl, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_plain.sum()), int(is_draft.sum())
         n_full = n_p + n_v + n_pl  # rows that attend fully come first
+        n_s = n_pl + n_d  # one-token rows
         context = first + n_tok
         shifted = bool((shift_index >= 0).any())
         updates = self.page_table.take_updates()
@@ -252,18 +254,15 @@ class BatchBuilder:
         # --- the shape ---
         padded = self.pad and n_p == 0
         v_pad = round_up_rows(n_v, self.num_slots, spec) if padded else n_v
-        pl_pad = round_up_rows(n_pl, self.num_slots) if padded else n_pl
-        d_pad = round_up_rows(n_d, self.num_slots) if padded else n_d
+        s_pad = round_up_rows(n_s, self.num_slots) if padded else n_s
         if padded and bucket is not None:
             needs_shift = shifted
-            v_pad, pl_pad, d_pad, shifted = bucket(v_pad, pl_pad, d_pad, shifted)
-            assert v_pad >= n_v and pl_pad >= n_pl and d_pad >= n_d and shifted >= needs_shift, (
-                "a bucket must hold the iteration"
-            )
+            v_pad, s_pad, shifted = bucket(v_pad, s_pad, shifted)
+            assert v_pad >= n_v and s_pad >= n_s and shifted >= needs_shift, "a bucket must hold the iteration"
         prefill_samples = np.flatnonzero(is_prefill & samples)
         real_tokens = int(n_tok.sum())
-        num_tokens = v_pad * spec + pl_pad + d_pad if padded else real_tokens
-        num_rows = n_rows + (v_pad - n_v) + (pl_pad - n_pl) + (d_pad - n_d)
+        num_tokens = v_pad * spec + s_pad if padded else real_tokens
+        num_rows = n_rows + (v_pad - n_v) + (s_pad - n_s)
         if padded:  # the tile of a bucket: verifications' (k + 1) queries if it has room for any
             max_full_q = spec if v_pad else 1
         else:
@@ -273,13 +272,13 @@ class BatchBuilder:
         if self.plan_items:
             tile_q = block_m_full // self.group
             if padded:
-                max_tiles = v_pad * -(-spec // tile_q) + pl_pad + d_pad
+                max_tiles = v_pad * -(-spec // tile_q) + s_pad
             else:
                 max_tiles = int((-(-n_tok[:n_full] // tile_q)).sum()) + n_d
             capacity = plan_capacity(max_tiles, num_tokens, tile_q, self.plan_items)
         shape = StepShape(
             num_tokens=num_tokens, num_rows=num_rows, num_prefill_rows=n_p, num_verify_rows=v_pad,
-            num_draft_rows=d_pad, num_prefill_samples=len(prefill_samples), num_plain_rows=pl_pad, spec_len=spec,
+            num_single_rows=s_pad, num_prefill_samples=len(prefill_samples), spec_len=spec,
             num_params=self.num_params, block_m_full=block_m_full, plan=capacity, padded=padded, shifted=shifted,
         )  # fmt: skip
         a: dict[str, np.ndarray] = {"num_full_rows": np.array([n_full])}
@@ -325,19 +324,17 @@ class BatchBuilder:
         a["draft_index"] = _pad(draft_index.reshape(-1), pad_v * k, dummy_base)
         a["draft_prob_row"] = _pad((v_slot[:, None] * k + steps[None, :]).reshape(-1), pad_v * k, dummy * k)
 
-        # --- logits rows: [verify x spec][plain][drafts][prefill samples] ---
+        # --- logits rows: [verify x spec][one-token rows: plain, drafts][prefill samples] ---
         j = np.minimum(np.arange(spec)[None, :], v_m[:, None])  # [n_v, spec]: row j reads token j (<= m)
         v_tokens = query_start[vr][:, None] + j
         v_prefix = (offset[vr] + v_first)[:, None] + j + 1
         pr, dr = np.flatnonzero(is_plain), np.flatnonzero(is_draft)
-        pad_pl, pad_d = pl_pad - n_pl, d_pad - n_d
-        tok = [v_tokens.reshape(-1), np.zeros(pad_v * spec, np.int64), query_start[pr], np.zeros(pad_pl, np.int64),
-               query_start[dr], np.zeros(pad_d, np.int64), query_start[prefill_samples + 1] - 1]  # fmt: skip
-        row_of = [np.repeat(vr, spec), np.full(pad_v * spec, -1), pr, np.full(pad_pl, -1), dr, np.full(pad_d, -1),
-                  prefill_samples]  # fmt: skip
-        prefix = [v_prefix.reshape(-1), np.ones(pad_v * spec, np.int64), offset[pr] + context[pr],
-                  np.ones(pad_pl, np.int64), offset[dr] + context[dr], np.ones(pad_d, np.int64),
-                  offset[prefill_samples] + context[prefill_samples]]  # fmt: skip
+        sr, pad_s = np.concatenate([pr, dr]), s_pad - n_s  # the one-token rows, in row order
+        tok = [v_tokens.reshape(-1), np.zeros(pad_v * spec, np.int64), query_start[sr], np.zeros(pad_s, np.int64),
+               query_start[prefill_samples + 1] - 1]  # fmt: skip
+        row_of = [np.repeat(vr, spec), np.full(pad_v * spec, -1), sr, np.full(pad_s, -1), prefill_samples]
+        prefix = [v_prefix.reshape(-1), np.ones(pad_v * spec, np.int64), offset[sr] + context[sr],
+                  np.ones(pad_s, np.int64), offset[prefill_samples] + context[prefill_samples]]  # fmt: skip
         logits_row = np.concatenate(row_of)
         real = logits_row >= 0
         a["logits_token"] = np.concatenate(tok)
@@ -349,13 +346,13 @@ class BatchBuilder:
         a["logits_stream"], a["accept_key"] = self._keys(request_id, logits_row, real, offset, is_draft, vr, v_first,
                                                          pad_v)  # fmt: skip
 
-        # --- plain steps, drafts and first tokens: where sampled tokens go ---
-        a["plain_write"] = _pad(row_base[pr] + context[pr], pad_pl, dummy_base)
-        a["draft_write"] = _pad(row_base[dr] + context[dr], pad_d, dummy_base)
-        a["draft_prob_index"] = _pad(slot[dr] * k + draft_step[dr] - 1, pad_d, dummy * k)
-        # (the induction selection's lookup: each draft row's history and old keys)
-        a["draft_row_base"] = _pad(row_base[dr], pad_d, dummy_base)
-        a["draft_recent_start"] = _pad(recent[dr], pad_d, 0)
+        # --- one-token rows and first tokens: where sampled tokens (and draft probabilities) go ---
+        a["single_write"] = _pad(row_base[sr] + context[sr], pad_s, dummy_base)
+        dummy_prob = np.full(n_pl, dummy * k)  # plain steps' probabilities: the dummy slot (nothing reads them)
+        a["single_prob_index"] = _pad(np.concatenate([dummy_prob, slot[dr] * k + draft_step[dr] - 1]), pad_s, dummy * k)
+        # (the induction selection's lookup: each draft row's history and old keys; plain steps look in the dummy slot)
+        a["single_row_base"] = _pad(np.concatenate([np.full(n_pl, dummy_base), row_base[dr]]), pad_s, dummy_base)
+        a["single_recent_start"] = _pad(np.concatenate([np.zeros(n_pl, np.int64), recent[dr]]), pad_s, 0)
         a["prefill_write"] = row_base[prefill_samples] + context[prefill_samples]
 
         # --- the attention plan (rows [0, n_full) attend fully; speculative rows get room to shift) ---
@@ -371,7 +368,7 @@ class BatchBuilder:
         if shifted:  # maps to rows; padding entries map to row `num_rows`, which never shifts
             a["shift_index"] = _pad(shift_index, pad_rows, -1)
             a["token_row"] = _pad(token_row, pad_tokens, num_rows)
-            a["draft_row"] = _pad(dr, pad_d, num_rows)
+            a["single_row"] = _pad(sr, pad_s, num_rows)
             a["logits_row"] = np.where(real, logits_row, num_rows)
         host_rows = {
             "slot": slot[logits_row[real]],

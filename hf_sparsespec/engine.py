@@ -201,8 +201,8 @@ class Engine:
         plan = PlanCapacity(num_work=tokens + rows + 2 * items, num_merge=tokens,
                             num_part_rows=(MAX_BLOCK_M // group) * 2 * items) if items else None  # fmt: skip
         shape = StepShape(
-            num_tokens=tokens, num_rows=rows, num_prefill_rows=0, num_verify_rows=slots, num_draft_rows=slots,
-            num_prefill_samples=slots, num_plain_rows=slots, spec_len=spec, num_params=num_params, block_m_full=0, plan=plan, padded=False,
+            num_tokens=tokens, num_rows=rows, num_prefill_rows=0, num_verify_rows=slots, num_single_rows=slots,
+            num_prefill_samples=slots, spec_len=spec, num_params=num_params, block_m_full=0, plan=plan, padded=False,
         )  # fmt: skip
         return shape, tokens // self.config.page_size + 2 * rows
 
@@ -237,8 +237,8 @@ class Engine:
     def _read(self, pending: PendingResults) -> None:
         values = pending.read()
         batch, width = pending.batch, self.k + 2
-        plain_start = batch.shape.num_verify_rows * width
-        first_tokens = values[plain_start + batch.shape.num_plain_rows :]
+        plain_start = batch.shape.num_verify_rows * width  # the one-token rows' tokens, plain steps first
+        first_tokens = values[plain_start + batch.shape.num_single_rows :]
         for row, token in zip(batch.prefill_sample_rows, first_tokens):
             self._commit_token(row.request, token)
         # plain steps (the scheduler committed them already) before the verifications: the requests they

@@ -1,15 +1,15 @@
 """Which padded decode shapes get a CUDA graph, and which captured graph an uncaptured shape borrows.
 
-A padded decode iteration is fully described by its bucket `(verify rows, plain rows, draft rows,
-shifted)` (`batch.BatchBuilder.build`): the same bucket gives the same `StepShape`, so the same graph.
-A bucket without a graph runs eagerly, and an eager iteration costs several replays (on the H200 at 256
+A padded decode iteration is fully described by its bucket `(verify rows, draft rows, shifted)`
+(`batch.BatchBuilder.build`): the same bucket gives the same `StepShape`, so the same graph. A bucket
+without a graph runs eagerly, and an eager iteration costs several replays (on the H200 at 256
 requests ~58 ms against ~10 ms, host-bound: ~1,400 launches from Python, docs/measurements.md 9).
 A batch that grows (admission) or shrinks (requests finishing at different iterations) passes through
 many buckets, most of them only once or twice: at 256 x 2048 a SparseSpec run captured 89 graphs and
 ran 211 iterations eagerly, 37 % of its time.
 
 So a bucket borrows a larger captured graph while it is new: it replays the captured bucket with the
-fewest tokens that holds it (more rows of every kind, shifted if it is; the extra rows are
+fewest tokens that holds it (more verify rows, more draft rows, shifted if it is; the extra rows are
 padding, which writes nothing and samples nothing), as long as that graph has at most
 `max(2 x tokens, tokens + 64)` tokens. How long it borrows is a rent-or-buy choice: a borrowed replay
 costs the padding tokens it computes for nothing, its own graph costs one eager iteration plus a capture
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-Bucket = tuple[int, int, int, bool]  # (verify rows, plain rows, draft rows, shifted) of a padded decode iteration
+Bucket = tuple[int, int, bool]  # (verify rows, draft rows, shifted) of a padded decode iteration
 
 # padding tokens a bucket may compute in borrowed graphs before it gets its own: an eager iteration plus
 # a capture (~100 ms) over the cost of a padded token in a replay (~0.0125 ms), both on the H200
@@ -50,8 +50,7 @@ class GraphBuckets:
         self.eager: Counter[Bucket] = Counter()  # eager iterations of each bucket
 
     def tokens(self, bucket: Bucket) -> int:
-        verify, plain, draft, _ = bucket
-        return verify * self.spec_len + plain + draft
+        return bucket[0] * self.spec_len + bucket[1]
 
     def choose(self, bucket: Bucket) -> Bucket:
         """The bucket an iteration that needs `bucket` should be built for: its own when captured,
@@ -67,8 +66,11 @@ class GraphBuckets:
         return larger
 
     def smallest_holding(self, bucket: Bucket) -> Bucket | None:
+        verify, draft, shifted = bucket
         limit = max(2 * self.tokens(bucket), self.tokens(bucket) + 64)
-        holding = [b for b in self.captured if all(have >= need for have, need in zip(b, bucket)) and self.tokens(b) <= limit]
+        holding = [
+            b for b in self.captured if b[0] >= verify and b[1] >= draft and b[2] >= shifted and self.tokens(b) <= limit
+        ]
         return min(holding, key=lambda b: (self.tokens(b), b), default=None)
 
     def ran_eagerly(self, bucket: Bucket) -> bool:

@@ -17,8 +17,8 @@ Buffers owned here (the last row of every per-slot buffer is the dummy slot that
     draft_probs   [(num_slots + 1) * k, vocab] fp32     processed draft distributions (sampling only)
     page_table    [num_slots + 1, max_pages] int32      every slot's pages (updated with new entries)
     staging (x2, pinned) / metadata                     the int32 fields of `batch.StepShape.fields`
-    results       int64: per verify slot [accepted, k drafts, next], then plain steps' tokens, then
-                  prefill first tokens
+    results       int64: per verify slot [accepted, k drafts, next], then the one-token rows' tokens
+                  (plain steps and drafts), then prefill first tokens
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class ModelRunner:
         self.staging_uploaded: list[torch.cuda.Event | None] = [None, None]
         self.staging_index = 0
         self.metadata = torch.zeros(size, dtype=torch.int32, device=device)
-        num_results = largest.num_verify_rows * (k + 2) + largest.num_plain_rows + largest.num_prefill_samples
+        # the one-token rows' tokens: as many as an iteration has rows at most (a bucket may pad past the slots)
+        num_results = largest.num_verify_rows * (k + 2) + largest.num_rows + largest.num_prefill_samples
         self.results = torch.zeros(num_results, dtype=torch.long, device=device)
         self.result_ring = [torch.zeros(num_results, dtype=torch.long, pin_memory=pinned) for _ in range(3)]
         self.ring_index = 0
@@ -181,12 +182,12 @@ class ModelRunner:
             history = history.pin_memory()
         self.token_buffer[slot, : len(tokens)].copy_(history, non_blocking=True)
 
-    def bucket(self, verify_rows: int, plain_rows: int, draft_rows: int, shifted: bool) -> Bucket:
+    def bucket(self, verify_rows: int, single_rows: int, shifted: bool) -> Bucket:
         """The bucket to build a padded decode iteration for (`graph_buckets.GraphBuckets.choose`):
         with graphs, a new bucket replays a larger captured one while it is new."""
         if not self.use_graphs:
-            return verify_rows, plain_rows, draft_rows, shifted
-        return self.buckets.choose((verify_rows, plain_rows, draft_rows, shifted))
+            return verify_rows, single_rows, shifted
+        return self.buckets.choose((verify_rows, single_rows, shifted))
 
     def run(self, batch: HostBatch) -> PendingResults:
         shape = batch.shape
@@ -302,7 +303,7 @@ class ModelRunner:
         # guards on its inputs' aliasing, and a view in one iteration and a fresh tensor in the next
         # (shifted shapes) recompiled the whole forward
         context_lens = f["context_len"].clone()
-        draft_write, prefix_len = f["draft_write"].long(), f["logits_prefix_len"].long()
+        single_write, prefix_len = f["single_write"].long(), f["logits_prefix_len"].long()
         if shape.shifted:  # speculative rows: add the accepted counts of the previous iteration's verifications
             index = f["shift_index"].long()
             shift = torch.where(index >= 0, self.results[index.clamp(min=0)], 0)
@@ -315,14 +316,14 @@ class ModelRunner:
             moved = page * self.cache.page_size + position % self.cache.page_size
             kv_slot = torch.where(token_shift != 0, moved, kv_slot)
             context_lens = (context_lens + shift[: shape.num_rows]).to(torch.int32)
-            draft_write = draft_write + shift[f["draft_row"].long()]
+            single_write = single_write + shift[f["single_row"].long()]
             prefix_len = prefix_len + shift[f["logits_row"].long()]
-        if self.induction and shape.num_draft_rows:  # after the shift: each draft's own position and token
-            reads = draft_write - 1  # each draft row's last token, the one it reads
+        if self.induction and shape.num_single_rows:  # after the shift: each draft's own position and token
+            reads = single_write - 1  # each draft row's last token, the one it reads
             store = self.cache.moved_offsets[..., self.verify_moves :]  # after the diagonal's entries, if any
-            offsets = induction_offsets(self.token_buffer, reads, f["draft_row_base"].long(),
-                                        f["draft_recent_start"], store.shape[-1])  # fmt: skip
-            slots = torch.div(f["draft_row_base"].long(), self.token_buffer.shape[1], rounding_mode="floor")
+            offsets = induction_offsets(self.token_buffer, reads, f["single_row_base"].long(),
+                                        f["single_recent_start"], store.shape[-1])  # fmt: skip
+            slots = torch.div(f["single_row_base"].long(), self.token_buffer.shape[1], rounding_mode="floor")
             write_induction_offsets(store, slots, offsets)
         compiled = self._compiles(shape)
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
@@ -359,7 +360,7 @@ class ModelRunner:
         )
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
-        v, pl, d = shape.num_verify_rows, shape.num_plain_rows, shape.num_draft_rows
+        v, s = shape.num_verify_rows, shape.num_single_rows
         if self.scoring_stream is not None and v:
             step.aside = ScoringAside.for_step(self.scoring_stream, self.aside_query, self.aside_lse,
                                                f["verify_query_start"], v * spec, shape.num_tokens)  # fmt: skip
@@ -370,7 +371,7 @@ class ModelRunner:
             moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
             self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
                                               step.verify_slots, moves, step.best, self.group)  # fmt: skip
-        # Verifications sample inside the acceptance; plain steps, drafts and first tokens sample here, each row from
+        # Verifications sample inside the acceptance; one-token rows and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         rows = LogitsRows(
             slot=f["logits_slot"].long(),
@@ -422,14 +423,12 @@ class ModelRunner:
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[f["verify_base"].long() + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
-        if pl:  # committed: the request's next row reads it
-            flat_tokens[f["plain_write"].long()] = tokens[:pl]
-            results.append(tokens[:pl])
-        if d:
-            draft_probs = probs[v * spec + pl : v * spec + pl + d] if probs is not None else None
-            self._store_drafts(draft_write, f["draft_prob_index"].long(), tokens[pl : pl + d], draft_probs)
+        if s:  # plain steps' tokens are committed, drafts' verified later: the next rows read both
+            single_probs = probs[v * spec : v * spec + s] if probs is not None else None
+            self._store_drafts(single_write, f["single_prob_index"].long(), tokens[:s], single_probs)
+            results.append(tokens[:s])
         if shape.num_prefill_samples:
-            first = tokens[pl + d :]
+            first = tokens[s:]
             flat_tokens[f["prefill_write"].long()] = first
             results.append(first)
         if results:
@@ -447,7 +446,8 @@ class ModelRunner:
         return values
 
     def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None):
-        """Keep this iteration's drafts (and their processed probabilities) for the verification."""
+        """Keep this iteration's one-token rows' tokens (plain steps' committed, drafts' for the
+        verification) and the drafts' processed probabilities (plain steps' go to the dummy slot)."""
         self.token_buffer.view(-1)[write_index] = draft_tokens
         if draft_probs is not None and self.draft_probs is not None:
             self.draft_probs[prob_index] = draft_probs
@@ -475,19 +475,18 @@ class ModelRunner:
 
     def _compiles(self, shape: StepShape) -> bool:
         """Whether the forward of `shape` runs compiled: padded decode shapes with verification rows
-        and draft rows counts of 0 or >= 2, after the first eager forward checked the attention.
+        and one-token rows counts of 0 or >= 2, after the first eager forward checked the attention.
         Dynamo specialises sizes 0 and 1, and the attention branches on whether any row verifies,
         so shapes with one row of a kind, or without verifications, would each compile the whole
         forward anew (88 s on the H200 in the middle of a run, docs/measurements.md 8): they run
         eagerly (in their CUDA graphs) instead. Shapes without verifications compile when plain steps
         are a phase of every request (`compiles_plain_shapes`: autoregressive mode, or
-        `min_draft_context`), not only the tail of a batch. Plain steps have no tensors of their own
-        in the forward, so their count does not matter."""
+        `min_draft_context`), not only the tail of a batch."""
         if self.compiled_forward is None or not shape.padded or not self.checked_attention:
             return False
-        verify, draft = shape.num_verify_rows, shape.num_draft_rows
+        verify, single = shape.num_verify_rows, shape.num_single_rows
         verify_ok = verify >= 2 or (verify == 0 and self.compiles_plain_shapes)
-        return verify_ok and (draft == 0 or draft >= 2) and shape.num_tokens >= 2
+        return verify_ok and (single == 0 or single >= 2) and shape.num_tokens >= 2
 
     def _model_logits(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         """The model's forward: logits of the rows `logits_index` (`[1, num_logits, vocab]` or all rows
@@ -521,4 +520,4 @@ class ModelRunner:
 
 def _bucket_of(shape: StepShape) -> Bucket:
     """The bucket a padded decode shape was built for (`BatchBuilder.build`): it determines the shape."""
-    return shape.num_verify_rows, shape.num_plain_rows, shape.num_draft_rows, shape.shifted
+    return shape.num_verify_rows, shape.num_single_rows, shape.shifted

@@ -186,9 +186,9 @@ def test_refreshing_every_other_verification_with_graphs_equals_eager_and_plain_
 
 @pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
 def test_plain_steps_below_the_draft_context_with_graphs_equal_eager_and_plain_generate(compile_forward, runners):
-    """`min_draft_context=18`: plain one-token steps (their own rows of the buckets) until a request's
-    context reaches 18, alone and beside drafts and verifications, inside captured iterations; with the
-    compiled forward the plain-only shapes compile too. Graphs = eager = plain `generate`."""
+    """`min_draft_context=18`: plain one-token steps until a request's context reaches 18, alone and
+    beside drafts and verifications, inside captured iterations; with the compiled forward the
+    plain-only shapes compile too. Graphs = eager = plain `generate`."""
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
@@ -203,5 +203,5 @@ def test_plain_steps_below_the_draft_context_with_graphs_equal_eager_and_plain_g
     total = outs[0].sparsespec_stats.total
     assert total.plain_steps >= sum(18 - (n + 1) for n in [9, 3, 14, 6, 11, 2]) and total.drafted_tokens > 0
     with_graphs, without = runners
-    plain_buckets = [bucket for bucket in with_graphs.buckets.captured if bucket[1] > 0]
-    assert plain_buckets and with_graphs.counters.graph_replays > 0 and without.counters.graph_replays == 0
+    plain_only = [bucket for bucket in with_graphs.buckets.captured if bucket[0] == 0 and bucket[1] > 0]
+    assert plain_only and with_graphs.counters.graph_replays > 0 and without.counters.graph_replays == 0

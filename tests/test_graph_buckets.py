@@ -16,27 +16,27 @@ from hf_sparsespec.engine import Engine
 from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.sampling import LogitsPipeline
-from hf_sparsespec.scheduler import Request
+from hf_sparsespec.scheduler import Request, RowKind
 
 SPEC = 9  # k = 8
 
 
 def test_a_captured_bucket_runs_in_its_own_graph():
     buckets = GraphBuckets(SPEC)
-    buckets.add((4, 0, 64, False))
-    buckets.add((2, 0, 32, False))
-    assert buckets.choose((4, 0, 64, False)) == (4, 0, 64, False)
-    assert buckets.choose((2, 0, 32, False)) == (2, 0, 32, False)
+    buckets.add((4, 64, False))
+    buckets.add((2, 32, False))
+    assert buckets.choose((4, 64, False)) == (4, 64, False)
+    assert buckets.choose((2, 32, False)) == (2, 32, False)
 
 
 def test_a_new_bucket_borrows_the_smallest_holder_until_its_padding_costs_a_capture():
     buckets = GraphBuckets(SPEC)
-    for bucket in [(4, 0, 64, True), (2, 0, 48, False), (4, 0, 48, False), (2, 0, 64, False)]:
+    for bucket in [(4, 64, True), (2, 48, False), (4, 48, False), (2, 64, False)]:
         buckets.add(bucket)
-    need = (2, 0, 40, False)  # 58 tokens
+    need = (2, 40, False)  # 58 tokens
     rent = -(-CAPTURE_AFTER_PADDING_TOKENS // 8)  # each borrowed replay computes 8 padding tokens
     for _ in range(rent):
-        assert buckets.choose(need) == (2, 0, 48, False)  # 66 tokens: the fewest of the four holders
+        assert buckets.choose(need) == (2, 48, False)  # 66 tokens: the fewest of the four holders
     assert buckets.padding[need] >= CAPTURE_AFTER_PADDING_TOKENS
     assert buckets.choose(need) == need  # its padding has cost a capture: runs in its own bucket ...
     assert buckets.ran_eagerly(need)  # ... eagerly once, then captured
@@ -46,8 +46,8 @@ def test_a_new_bucket_borrows_the_smallest_holder_until_its_padding_costs_a_capt
 
 def test_a_bucket_nothing_holds_is_captured_when_seen_twice():
     buckets = GraphBuckets(SPEC)
-    buckets.add((2, 0, 16, False))
-    need = (4, 0, 16, False)  # more verify rows than any graph
+    buckets.add((2, 16, False))
+    need = (4, 16, False)  # more verify rows than any graph
     assert buckets.choose(need) == need
     assert not buckets.ran_eagerly(need)  # a first sighting may be a transient
     assert buckets.choose(need) == need
@@ -56,24 +56,14 @@ def test_a_bucket_nothing_holds_is_captured_when_seen_twice():
 
 def test_borrowing_keeps_to_the_padding_limit_and_the_shift():
     buckets = GraphBuckets(SPEC)
-    buckets.add((8, 0, 256, False))  # 328 tokens
-    assert buckets.choose((2, 0, 16, False)) == (2, 0, 16, False)  # 34 tokens: at most 98 may be borrowed
-    assert buckets.choose((8, 0, 200, False)) == (8, 0, 256, False)  # 272 -> 328: within 2x
-    assert buckets.choose((8, 0, 200, True)) == (8, 0, 200, True)  # speculative rows need the shift fields
-    buckets.add((8, 0, 256, True))
-    assert buckets.choose((8, 0, 224, False)) == (8, 0, 256, False)  # unshifted prefers the cheaper match
-    buckets.captured.remove((8, 0, 256, False))
-    assert buckets.choose((8, 0, 192, False)) == (8, 0, 256, True)  # ... but may run in a shifted graph
-
-
-def test_plain_rows_are_one_token_each_and_borrow_only_holders_of_as_many():
-    buckets = GraphBuckets(SPEC)
-    assert buckets.tokens((2, 16, 8, False)) == 2 * SPEC + 16 + 8  # a plain step: one token, not k + 1
-    buckets.add((0, 64, 0, False))
-    buckets.add((8, 0, 64, False))  # more tokens than a plain bucket needs, but no plain rows
-    assert buckets.choose((0, 48, 0, False)) == (0, 64, 0, False)
-    assert buckets.choose((0, 80, 0, False)) == (0, 80, 0, False)  # nothing holds 80 plain rows
-    assert buckets.choose((2, 8, 32, False)) == (2, 8, 32, False)  # (8, 0, 64) has no room for plain rows
+    buckets.add((8, 256, False))  # 328 tokens
+    assert buckets.choose((2, 16, False)) == (2, 16, False)  # 34 tokens: at most 98 may be borrowed
+    assert buckets.choose((8, 200, False)) == (8, 256, False)  # 272 -> 328: within 2x
+    assert buckets.choose((8, 200, True)) == (8, 200, True)  # speculative rows need the shift fields
+    buckets.add((8, 256, True))
+    assert buckets.choose((8, 224, False)) == (8, 256, False)  # unshifted prefers the cheaper match
+    buckets.captured.remove((8, 256, False))
+    assert buckets.choose((8, 192, False)) == (8, 256, True)  # ... but may run in a shifted graph
 
 
 def _simulate(num_requests: int, k: int, borrow: bool, seed: int = 0) -> tuple[int, int]:
@@ -94,10 +84,10 @@ def _simulate(num_requests: int, k: int, borrow: bool, seed: int = 0) -> tuple[i
         n_d = len(phases) - n_v
         if not phases:
             continue
-        need = (round_up_rows(n_v, num_requests, spec), 0, round_up_rows(n_d, num_requests), just_verified > 0)
+        need = (round_up_rows(n_v, num_requests, spec), round_up_rows(n_d, num_requests), just_verified > 0)
         if borrow:
             bucket = buckets.choose(need)
-            assert all(have >= needed for have, needed in zip(bucket, need))
+            assert bucket[0] >= need[0] and bucket[1] >= need[1] and bucket[2] >= need[2]
             if bucket not in buckets.captured:
                 eager += 1
                 if buckets.ran_eagerly(bucket):
@@ -125,34 +115,36 @@ def _run(model, prompts, config, do_sample, bucket=None, max_new_tokens=24):
     requests = [Request(i, p, max_new_tokens, batch_row=i) for i, p in enumerate(prompts)]
     engine = Engine(model, requests, config, LogitsPipeline([]), do_sample, StopChecker(set(), [], torch.device("cpu")),
                     pad_to_buckets=True)  # fmt: skip
-    shapes = []
+    batches = []
     if bucket is not None:
         engine.runner.bucket = bucket
     original = engine.runner.run
-    engine.runner.run = lambda batch: shapes.append(batch.shape) or original(batch)
+    engine.runner.run = lambda batch: batches.append(batch) or original(batch)
     with use_attention(model), torch.no_grad():
         engine.run()
-    return engine, requests, shapes
+    return engine, requests, batches
 
 
 @pytest.mark.parametrize("backend,do_sample", [("torch", False), ("torch", True), ("triton", False)])
 def test_an_iteration_in_a_larger_shifted_bucket_decodes_the_same(backend, do_sample):
-    """Every padded iteration built for a bucket with 2 more verify rows, 2 more plain rows, 8 more draft
-    rows and the shift fields (what borrowing a larger graph does): the same tokens, acceptance, KV and
-    token history. Requests take plain steps until their context reaches 12 tokens, so iterations mix
-    plain steps with drafts and verifications."""
+    """Every padded iteration built for a bucket with 2 more verify rows, 8 more one-token rows and the
+    shift fields (what borrowing a larger graph does): the same tokens, acceptance, KV and token history.
+    Requests take plain steps until their context reaches 12 tokens, so one-token rows mix plain steps
+    and drafts."""
     model = tiny_model("qwen2")
     prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
     config = SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4, backend=backend, min_draft_context=12)
     tokens = 24 if backend == "torch" else 10  # the CPU interpreter: seconds per engine iteration
 
-    def larger(verify_rows, plain_rows, draft_rows, shifted):
-        return min(verify_rows + 2, 4), min(plain_rows + 2, 4), min(draft_rows + 8, 12), True
+    def larger(verify_rows, single_rows, shifted):
+        return min(verify_rows + 2, 4), min(single_rows + 8, 12), True
 
-    own, own_requests, own_shapes = _run(model, prompts, config, do_sample, max_new_tokens=tokens)
-    big, big_requests, big_shapes = _run(model, prompts, config, do_sample, bucket=larger, max_new_tokens=tokens)
+    own, own_requests, own_batches = _run(model, prompts, config, do_sample, max_new_tokens=tokens)
+    big, big_requests, big_batches = _run(model, prompts, config, do_sample, bucket=larger, max_new_tokens=tokens)
+    own_shapes, big_shapes = [b.shape for b in own_batches], [b.shape for b in big_batches]
     padded = [(a, b) for a, b in zip(own_shapes, big_shapes) if b.padded]
     assert padded and all(b.num_tokens > a.num_tokens and b.shifted for a, b in padded)
-    assert any(a.num_plain_rows and a.num_draft_rows for a, _ in padded)  # plain steps beside drafts
+    # iterations whose one-token rows were plain steps and drafts
+    assert any(b.plain_rows and any(r.kind is RowKind.DRAFT for r in b.rows) for b in own_batches)
     assert any(not a.shifted for a, _ in padded)  # unshifted iterations ran with the shift fields
     assert_same_decoding(own, own_requests, big, big_requests)

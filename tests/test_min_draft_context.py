@@ -82,7 +82,7 @@ def test_plain_steps_cost_one_token_of_the_bucket():
     builder = BatchBuilder(8, 16, 128, 4, DevicePageTable(16, 40), group=2, num_kv_heads=2, plan_items=4,
                            num_params=0, pad=True)  # fmt: skip
     shape = builder.build(rows, allocator).shape
-    assert (shape.num_verify_rows, shape.num_plain_rows, shape.num_draft_rows) == (0, 16, 0)
+    assert (shape.num_verify_rows, shape.num_single_rows) == (0, 16)
     assert shape.num_tokens == 16 and shape.num_logits == 16
 
 

@@ -45,6 +45,7 @@ def _reference_fields(rows, allocator, width, k, num_slots):
     f = {name: [] for name in ("input_index", "position", "kv_slot", "query_start", "context_len", "recent_start",
                                "num_selected", "selection_slot", "logits_token", "logits_prefix_len",
                                "logits_slot", "plain_write", "draft_write", "draft_prob_index", "prefill_write",
+                               "draft_row_base", "draft_recent_start",
                                "verify_base", "num_drafts", "num_old_keys", "budget", "verify_slot", "shift_index",
                                "logits_key", "accept_key")}  # fmt: skip
     f["query_start"].append(0)
@@ -93,6 +94,8 @@ def _reference_fields(rows, allocator, width, k, num_slots):
                                      (request.request_id, request.history_offset + row.context_len, DRAFT_NOISE)))  # fmt: skip
             f["draft_write"].append(base + row.context_len)
             f["draft_prob_index"].append(request.slot * k + row.draft_index - 1)
+            f["draft_row_base"].append(base)
+            f["draft_recent_start"].append(f["recent_start"][index])
         elif row.samples:
             logits[row.kind].append((start + row.num_tokens - 1, request.history_offset + row.context_len, request.slot,
                                      (request.request_id, request.history_offset + row.context_len, TARGET_NOISE)))  # fmt: skip
@@ -185,19 +188,22 @@ def test_builder_equals_the_per_row_construction(schedule):
     assert accept[: n_verify * k].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["accept_key"]]
     assert not accept[n_verify * k :].any()
     assert real[: n_verify * spec] == list(range(n_verify * spec))
-    n_plain = len(ref["plain_write"])
-    assert a["plain_write"].tolist() == ref["plain_write"] + [dummy] * (shape.num_plain_rows - n_plain)
-    n_draft = len(ref["draft_write"])
-    assert a["draft_write"][:n_draft].tolist() == ref["draft_write"]
-    assert (a["draft_write"][n_draft:] == dummy).all()
-    assert a["draft_prob_index"][:n_draft].tolist() == ref["draft_prob_index"]
+    # one-token rows: plain steps (probabilities and induction lookups into the dummy slot), then drafts
+    n_plain, n_draft = len(ref["plain_write"]), len(ref["draft_write"])
+    pad_single = shape.num_single_rows - n_plain - n_draft
+    assert a["single_write"].tolist() == ref["plain_write"] + ref["draft_write"] + [dummy] * pad_single
+    assert a["single_prob_index"].tolist() == [num_slots * k] * n_plain + ref["draft_prob_index"] + [
+        num_slots * k] * pad_single
+    assert a["single_row_base"].tolist() == [dummy] * n_plain + ref["draft_row_base"] + [dummy] * pad_single
+    assert a["single_recent_start"].tolist() == [0] * n_plain + ref["draft_recent_start"] + [0] * pad_single
+    assert a["num_full_rows"].tolist() == [sum(r.kind in (RowKind.PREFILL, RowKind.VERIFY, RowKind.PLAIN) for r in rows)]
     assert a["prefill_write"].tolist() == ref["prefill_write"]
     if shape.shifted:  # speculative rows point at their verification's accepted count; maps cover rows
         assert a["shift_index"][:n_rows].tolist() == ref["shift_index"]
         assert a["token_row"][:n_tokens].tolist() == [i for i, r in enumerate(rows) for _ in range(r.num_tokens)]
         assert (a["token_row"][n_tokens:] == shape.num_rows).all()  # padding: the row that never shifts
-        draft_rows = [i for i, r in enumerate(rows) if r.kind is RowKind.DRAFT]
-        assert a["draft_row"].tolist() == draft_rows + [shape.num_rows] * (shape.num_draft_rows - len(draft_rows))
+        single_rows = [i for i, r in enumerate(rows) if r.kind in (RowKind.PLAIN, RowKind.DRAFT)]
+        assert a["single_row"].tolist() == single_rows + [shape.num_rows] * (shape.num_single_rows - len(single_rows))
         assert a["logits_row"][real].tolist() == [
             i for i, r in enumerate(rows) if r.kind is RowKind.VERIFY for _ in range(spec)
         ] + [i for i, r in enumerate(rows) if r.kind is RowKind.PLAIN] + [
@@ -206,8 +212,7 @@ def test_builder_equals_the_per_row_construction(schedule):
     else:
         assert all(index == -1 for index in ref["shift_index"])
     if pad and not any(r.kind is RowKind.PREFILL for r in rows):
-        assert shape.padded
-        assert shape.num_tokens == shape.num_verify_rows * spec + shape.num_plain_rows + shape.num_draft_rows
+        assert shape.padded and shape.num_tokens == shape.num_verify_rows * spec + shape.num_single_rows
     assert shape.num_rows >= n_rows and shape.size == sum(aligned(n) for _, n in shape.fields())
     # the work list covers each (row, key) of the real rows once; padding items are no-ops
     work = a["work"].reshape(-1, 5)
@@ -429,10 +434,39 @@ def test_compiled_forward_compiles_once_while_the_batch_shrinks():
         engine.run()
     assert all(len(r.generated) == n for r, n in zip(requests, lengths))
     compiled = [s for s in shapes if engine.runner._compiles(s)]
-    assert len({(s.num_verify_rows, s.num_draft_rows) for s in compiled}) >= 3  # many shapes ran compiled
+    assert len({(s.num_verify_rows, s.num_single_rows) for s in compiled}) >= 3  # many shapes ran compiled
     assert any(s.shifted for s in compiled) and any(not s.shifted for s in compiled)
     assert any(s.num_verify_rows == 0 for s in shapes)  # ... and the tail's verification-free ones eagerly
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_compiled_forward_compiles_twice_with_plain_steps_first():
+    """`min_draft_context`: iterations of plain steps only (no verifications), requests crossing the
+    threshold (plain steps beside drafts, no verification yet), then the cycles: two variants of the
+    forward (with and without verifications), compiled once each, however the rows mix."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen2")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 15, (10,), generator=g)]
+    requests = [Request(i, p, 36, batch_row=i) for i, p in enumerate(prompts)]
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=True, backend="torch",
+                              min_draft_context=18)  # fmt: skip
+    engine = Engine(model, requests, config, LogitsPipeline([]), False, StopChecker(set(), [], torch.device("cpu")),
+                    pad_to_buckets=True)  # fmt: skip
+    batches = []
+    original = engine.runner.run
+    engine.runner.run = lambda batch: batches.append(batch) or original(batch)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with use_attention(model), torch.no_grad():
+        engine.run()
+    assert all(len(r.generated) == 36 for r in requests)
+    compiled = [b for b in batches if engine.runner._compiles(b.shape)]
+    kinds = [{r.kind for r in b.rows} for b in compiled]
+    assert {RowKind.PLAIN} in kinds and {RowKind.PLAIN, RowKind.DRAFT} in kinds  # plain only; crossing
+    assert any(RowKind.VERIFY in k and RowKind.PLAIN in k for k in kinds)  # the cycles beside plain steps
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
 @given(st.integers(0, 600), st.integers(1, 512), st.sampled_from([1, 3, 5, 9, 17]))
