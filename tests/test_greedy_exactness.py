@@ -26,6 +26,17 @@ def sparsespec(model, ids, mask, max_new_tokens, config, **kwargs):
     )
 
 
+def exact_greedy_run(arch: str, lengths: list[int], max_new_tokens: int, config: SparseSpecConfig):
+    """SparseSpec's greedy output (with its statistics) for a ragged batch of prompts of `lengths` on a
+    tiny `arch` model, checked token for token against plain `generate`."""
+    model = tiny_model(arch)
+    ids, mask = ragged_batch(lengths)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    out = sparsespec(model, ids, mask, max_new_tokens, config)
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
     "config",

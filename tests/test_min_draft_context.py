@@ -5,8 +5,7 @@ Plain steps take one token of an iteration's bucket, not k + 1; outputs stay the
 from __future__ import annotations
 
 import pytest
-from models import assert_greedy_equal, ragged_batch, tiny_model
-from test_greedy_exactness import sparsespec as greedy
+from test_greedy_exactness import exact_greedy_run
 from test_sampling_distribution import SAMPLES, assert_same_distribution, sample_both
 
 from hf_sparsespec import SparseSpecConfig
@@ -89,13 +88,9 @@ def test_plain_steps_cost_one_token_of_the_bucket():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "sync"])
 def test_greedy_equals_plain_generate(arch, delayed):
-    model = tiny_model(arch)
-    ids, mask = ragged_batch([9, 3, 14, 6, 11, 5])
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, min_draft_context=20,
                               delayed_verification=delayed)  # fmt: skip
-    out = greedy(model, ids, mask, 40, config)
-    assert_greedy_equal(model, expected, out.sequences, mask)
+    out = exact_greedy_run(arch, [9, 3, 14, 6, 11, 5], 40, config)
     for length, stats in zip([9, 3, 14, 6, 11, 5], out.sparsespec_stats.per_request):
         plain_first = 20 - (length + 1)  # contexts from prompt + 1 up to 19
         assert stats.cycle_drafted[:plain_first] == [0] * plain_first
@@ -104,12 +99,8 @@ def test_greedy_equals_plain_generate(arch, delayed):
 
 def test_greedy_equals_plain_generate_on_triton_kernels():
     """The Triton backend (the interpreter on CPU) with plain steps beside drafts and verifications."""
-    model = tiny_model("qwen3")
-    ids, mask = ragged_batch([7, 3, 12])
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     config = SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4, min_draft_context=10, backend="triton")
-    out = greedy(model, ids, mask, 12, config)
-    assert_greedy_equal(model, expected, out.sequences, mask)
+    out = exact_greedy_run("qwen3", [7, 3, 12], 12, config)
     total = out.sparsespec_stats.total
     assert total.plain_steps >= 6 + 2 and total.drafted_tokens > 0
 

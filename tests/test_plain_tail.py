@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from models import assert_greedy_equal, ragged_batch, tiny_model
+from test_greedy_exactness import exact_greedy_run
 from test_greedy_exactness import sparsespec as greedy
 from test_kv_manager import NEW_TOKENS, POOL, run
 from test_kv_manager import config as pressured_config
@@ -29,13 +30,9 @@ def trailing_plain_steps(stats) -> int:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "sync"])
 def test_the_tail_decodes_plainly_and_exactly(arch, delayed):
-    model = tiny_model(arch)
-    ids, mask = ragged_batch([9, 3, 14, 6, 11, 5])
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, plain_tail_rows=3,
                               delayed_verification=delayed)  # fmt: skip
-    out = greedy(model, ids, mask, 40, config)
-    assert_greedy_equal(model, expected, out.sequences, mask)
+    out = exact_greedy_run(arch, [9, 3, 14, 6, 11, 5], 40, config)
     per_request = out.sparsespec_stats.per_request
     assert all(stats.generated_tokens == 40 for stats in per_request)
     tails = [trailing_plain_steps(stats) for stats in per_request]
@@ -47,11 +44,8 @@ def test_the_tail_decodes_plainly_and_exactly(arch, delayed):
 
 
 def test_a_batch_smaller_than_the_tail_never_drafts():
-    model = tiny_model("qwen3")
-    ids, mask = ragged_batch([5, 12])
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
-    out = greedy(model, ids, mask, 30, SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=4, plain_tail_rows=2))
-    assert_greedy_equal(model, expected, out.sequences, mask)
+    config = SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=4, plain_tail_rows=2)
+    out = exact_greedy_run("qwen3", [5, 12], 30, config)
     total = out.sparsespec_stats.total
     assert total.drafted_tokens == 0 and total.plain_steps == total.cycles == 2 * 29
 
