@@ -27,8 +27,8 @@ steps (cycles of 0 drafts: attending fully, their sample committed), then drafts
 is data (the attention's count of full rows, each row's write indices and noise keys), not shape, so
 requests that move from plain steps to drafting (`min_draft_context`) or back (the tail) keep their
 iterations in the buckets, and the graphs, they had. The step writes every one-token row's sample
-into the token history and its probabilities to `prob_index` (a plain step's: the dummy slot's), and
-returns every one-token row's token; the host reads the plain steps'.
+into the token history and a draft's probabilities to its `prob_index` (-1 for plain steps and
+padding: none), and returns every one-token row's token; the host reads the plain steps'.
 
 Speculative rows (a request's first draft right after its verification, see `scheduler.py`) are
 built as if the verification accepted 0 drafts; `shift_index` points at that verification's
@@ -348,8 +348,8 @@ class BatchBuilder:
 
         # --- one-token rows and first tokens: where sampled tokens (and draft probabilities) go ---
         a["single_write"] = _pad(row_base[sr] + context[sr], pad_s, dummy_base)
-        dummy_prob = np.full(n_pl, dummy * k)  # plain steps' probabilities: the dummy slot (nothing reads them)
-        a["single_prob_index"] = _pad(np.concatenate([dummy_prob, slot[dr] * k + draft_step[dr] - 1]), pad_s, dummy * k)
+        # each draft's distribution is stored for its verification; plain steps and padding store nothing (-1)
+        a["single_prob_index"] = _pad(np.concatenate([np.full(n_pl, -1), slot[dr] * k + draft_step[dr] - 1]), pad_s, -1)
         # (the induction selection's lookup: each draft row's history and old keys; plain steps look in the dummy slot)
         a["single_row_base"] = _pad(np.concatenate([np.full(n_pl, dummy_base), row_base[dr]]), pad_s, dummy_base)
         a["single_recent_start"] = _pad(np.concatenate([np.zeros(n_pl, np.int64), recent[dr]]), pad_s, 0)

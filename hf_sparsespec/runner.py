@@ -425,7 +425,7 @@ class ModelRunner:
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
         if s:  # plain steps' tokens are committed, drafts' verified later: the next rows read both
             single_probs = probs[v * spec : v * spec + s] if probs is not None else None
-            self._store_drafts(single_write, f["single_prob_index"].long(), tokens[:s], single_probs)
+            self._store_drafts(single_write, f["single_prob_index"], tokens[:s], single_probs)
             results.append(tokens[:s])
         if shape.num_prefill_samples:
             first = tokens[s:]
@@ -447,10 +447,11 @@ class ModelRunner:
 
     def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None):
         """Keep this iteration's one-token rows' tokens (plain steps' committed, drafts' for the
-        verification) and the drafts' processed probabilities (plain steps' go to the dummy slot)."""
+        verification) and the drafts' processed probabilities (`prob_index` -1: plain steps and padding,
+        nothing stored)."""
         self.token_buffer.view(-1)[write_index] = draft_tokens
         if draft_probs is not None and self.draft_probs is not None:
-            self.draft_probs[prob_index] = draft_probs
+            self.backend.store_rows(self.draft_probs, prob_index, draft_probs)
 
     def _plan(self, shape: StepShape, f: dict) -> AttentionPlan | None:
         if shape.plan is None:

@@ -188,12 +188,11 @@ def test_builder_equals_the_per_row_construction(schedule):
     assert accept[: n_verify * k].tolist() == [sample_keys(99, *key)[0].tolist() for key in ref["accept_key"]]
     assert not accept[n_verify * k :].any()
     assert real[: n_verify * spec] == list(range(n_verify * spec))
-    # one-token rows: plain steps (probabilities and induction lookups into the dummy slot), then drafts
+    # one-token rows: plain steps (no probabilities stored, induction lookups in the dummy slot), then drafts
     n_plain, n_draft = len(ref["plain_write"]), len(ref["draft_write"])
     pad_single = shape.num_single_rows - n_plain - n_draft
     assert a["single_write"].tolist() == ref["plain_write"] + ref["draft_write"] + [dummy] * pad_single
-    assert a["single_prob_index"].tolist() == [num_slots * k] * n_plain + ref["draft_prob_index"] + [
-        num_slots * k] * pad_single
+    assert a["single_prob_index"].tolist() == [-1] * n_plain + ref["draft_prob_index"] + [-1] * pad_single
     assert a["single_row_base"].tolist() == [dummy] * n_plain + ref["draft_row_base"] + [dummy] * pad_single
     assert a["single_recent_start"].tolist() == [0] * n_plain + ref["draft_recent_start"] + [0] * pad_single
     assert a["num_full_rows"].tolist() == [sum(r.kind in (RowKind.PREFILL, RowKind.VERIFY, RowKind.PLAIN) for r in rows)]

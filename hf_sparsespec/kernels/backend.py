@@ -10,8 +10,8 @@ once per step `select_verified_keys` (every layer's top keys into the selected-i
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
 acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
-the only logits processor) and `truncated_softmax` (temperature -> top-k -> top-p without sorting
-the vocabulary). The Triton calls never read device memory back (CUDA-graph safe).
+the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p without sorting
+the vocabulary) and `store_rows` (the drafts' distributions into their store; rows indexed -1 skipped). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_r
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
+from hf_sparsespec.kernels.store_rows import store_rows_ref
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref, truncated_softmax_ref
 
 
@@ -56,6 +57,8 @@ class AttentionBackend(Protocol):
     def tempered_softmax(self, logits, temperature) -> torch.Tensor: ...
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor: ...
+
+    def store_rows(self, dst, index, src) -> None: ...
 
 
 class TorchBackend:
@@ -104,6 +107,9 @@ class TorchBackend:
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
         return truncated_softmax_ref(logits, temperature, top_k, top_p, min_tokens_to_keep)
+
+    def store_rows(self, dst, index, src) -> None:
+        store_rows_ref(dst, index, src)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

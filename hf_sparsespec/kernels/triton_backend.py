@@ -17,6 +17,7 @@ from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, posi
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import pillar_scores_into, select_verified_keys
 from hf_sparsespec.kernels.store_kv import store_kv
+from hf_sparsespec.kernels.store_rows import store_rows
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax, truncated_softmax
 
 
@@ -65,3 +66,6 @@ class TritonBackend:
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
         return truncated_softmax(logits, temperature, top_k, top_p, min_tokens_to_keep)
+
+    def store_rows(self, dst, index, src) -> None:
+        store_rows(dst, index, src)
