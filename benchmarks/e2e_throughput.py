@@ -191,8 +191,8 @@ class IdealCounter:
         self.kv_bytes.append(kv)
 
     def observe(self, batch, pillar: bool) -> None:
-        a, shape = batch.arrays, batch.shape
-        n_full = shape.num_prefill_rows + len(batch.verify_rows) + len(batch.plain_rows)
+        a = batch.arrays
+        n_full = int(a["num_full_rows"][0])  # prefill, verify and plain rows attend fully
         n_rows = len(batch.rows)
         qs, ctx = a["query_start"][: n_rows + 1], a["context_len"][:n_rows]
         q_len = np.diff(qs)

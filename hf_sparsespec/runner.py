@@ -329,8 +329,8 @@ class ModelRunner:
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
         # instead and must see the same ints when replayed as when captured (or it would recompile there)
         num_full_rows = shape.num_prefill_rows
-        if batch is not None and not compiled:
-            num_full_rows += len(batch.verify_rows) + len(batch.plain_rows)
+        if batch is not None and not compiled:  # the builder's count: prefill, verify and plain rows
+            num_full_rows = int(batch.arrays["num_full_rows"][0])
         step = StepBatch(
             backend=self.backend,
             cache=self.cache,
