@@ -79,8 +79,8 @@ def main() -> None:
     parser.add_argument("--active", type=int, default=29)
     parser.add_argument("--context", type=int, default=8000)
     parser.add_argument("--budget-ratio", type=float, default=0.05)
-    parser.add_argument("--keys-per-program", default="512",
-                        help="comma-separated KEYS_PER_PROGRAM values to sweep with every candidate")  # fmt: skip
+    parser.add_argument("--min-keys-per-chunk", default="128",
+                        help="comma-separated MIN_KEYS_PER_CHUNK values to sweep with every candidate")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--smoke", action="store_true", help="fp16 under TRITON_INTERPRET=1 on the CPU (set it)")
     args = parser.parse_args()
@@ -93,16 +93,16 @@ def main() -> None:
     k_bytes = args.active * (args.context - K_DRAFTS - 1) * MODELS[MODEL][1] * head_dim * x["problem"].k_cache.element_size()
     saved = dict(_attention_tile.LAUNCH_CONFIG)
     results = []
-    sweep = [(c, int(keys)) for keys in args.keys_per_program.split(",") for c in CANDIDATES]
+    sweep = [(c, int(keys)) for keys in args.min_keys_per_chunk.split(",") for c in CANDIDATES]
     for track_best in (False, True):
         for (block_n, warps, stages), keys in sweep:
             if keys % block_n:
                 continue
-            config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "KEYS_PER_PROGRAM": keys}
+            config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "MIN_KEYS_PER_CHUNK": keys}
             _attention_tile.LAUNCH_CONFIG[("score", head_dim)] = config
             scores_ms, refresh_ms = time_config(x, track_best)
             results.append(dict(track_best=track_best, block_n=block_n, num_warps=warps, num_stages=stages,
-                                keys_per_program=keys, scores_ms=scores_ms, refresh_ms=refresh_ms,
+                                min_keys_per_chunk=keys, scores_ms=scores_ms, refresh_ms=refresh_ms,
                                 k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
         _attention_tile.LAUNCH_CONFIG.clear()
@@ -114,11 +114,11 @@ def main() -> None:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     print(f"\n{MODEL} shape, {args.active} of {args.rows} rows verify {K_DRAFTS + 1} queries over {args.context} keys; "
           f"{meta['gpu']}, torch {meta['torch']}")  # fmt: skip
-    print("| pass | BLOCK_N | warps | stages | keys / program | scoring ms | scoring K GB/s | refresh ms (scores + top-B + offsets) |")
+    print("| pass | BLOCK_N | warps | stages | least keys / chunk | scoring ms | scoring K GB/s | refresh ms (scores + top-B + offsets) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         name = "with best-key tracking" if r["track_best"] else "PillarAttn"
-        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['keys_per_program']} | {r['scores_ms']:.4f} | "
+        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} | {r['scores_ms']:.4f} | "
               f"{r['k_gb_per_s']:.0f} | {r['refresh_ms']:.4f} |")  # fmt: skip
 
 

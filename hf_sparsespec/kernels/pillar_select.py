@@ -15,7 +15,10 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   row after row (each program finds the rows' chunk counts by a prefix sum of `num_old_keys`), and
   program `(p, KV head)` of P takes chunks `p, p + P, ...`: rows with nothing to score (no queries,
   no old keys, a verification that keeps its selection: `selection_refresh_interval`) cost their
-  programs nothing, and long rows spread over programs the short ones leave. A row's packed tile (its
+  programs nothing, and long rows spread over programs the short ones leave. A chunk holds the
+  keys to score divided by P (at least `MIN_KEYS_PER_CHUNK`), computed on the device each launch:
+  8 verifications of 1K keys spread over 64 programs per KV head, not 16 (a program's few key blocks
+  are latency-bound: docs/measurements.md section 20). A row's packed tile (its
   queries x the group's heads) usually fits one `tl.dot` tile, so each K block is read once and
   reduced over all of the tile's rows in registers.
 - `select_top_keys_into` (`top_keys.py`): the top B of each (row, KV head), straight into the
@@ -135,13 +138,13 @@ def _pillar_scores_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    KEYS_PER_PROGRAM: tl.constexpr,
+    MIN_KEYS_PER_CHUNK: tl.constexpr,  # a multiple of BLOCK_N
     ROWS_PAD: tl.constexpr,  # a power of 2 >= num_rows
     INPUT_PRECISION: tl.constexpr,
     TRACK_BEST: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
-    # The work: every row's chunks of KEYS_PER_PROGRAM old keys, numbered row after row; program p
+    # The work: every row's chunks of `chunk_keys` old keys, numbered row after row; program p
     # takes chunks p, p + P, ... So rows with no keys to score (no queries, nothing old, or a
     # verification that keeps its selection) leave their share to the others.
     rows = tl.arange(0, ROWS_PAD)
@@ -150,7 +153,10 @@ def _pillar_scores_kernel(
         query_start_ptr + rows, mask=row_valid, other=0
     )
     row_old = tl.where(row_q > 0, tl.load(num_old_keys_ptr + rows, mask=row_valid, other=0), 0)
-    row_chunks = tl.cdiv(row_old, KEYS_PER_PROGRAM)
+    # about one chunk per program, in whole key blocks
+    chunk_keys = tl.cdiv(tl.cdiv(tl.sum(row_old, axis=0), tl.num_programs(0)), BLOCK_N) * BLOCK_N
+    chunk_keys = tl.maximum(chunk_keys, MIN_KEYS_PER_CHUNK)
+    row_chunks = tl.cdiv(row_old, chunk_keys)
     chunk_end = tl.cumsum(row_chunks, axis=0)  # (ROWS_PAD,) each row's first chunk number past its own
     chunk_start = chunk_end - row_chunks
     num_chunks = tl.max(chunk_end, axis=0)
@@ -172,8 +178,8 @@ def _pillar_scores_kernel(
         page_row_ptr = page_table_ptr + row.to(tl.int64) * stride_pt_row
         score_row_ptr = scores_ptr + row.to(tl.int64) * stride_scores_row + kv_head * stride_scores_head
         best_row_ptr = best_ptr + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
-        key_lo = chunk * KEYS_PER_PROGRAM
-        key_hi = tl.minimum(key_lo + KEYS_PER_PROGRAM, num_old)
+        key_lo = chunk * chunk_keys
+        key_hi = tl.minimum(key_lo + chunk_keys, num_old)
         num_q_tiles = tl.maximum(tl.cdiv(q_len, BLOCK_M // GROUP), 1)
         # Usually one query tile; with more, the chunk's partial sums wait in `scores` between tiles
         # (this program owns the chunk in every tile, so it reads back only what it wrote).
@@ -275,10 +281,11 @@ def pillar_scores_into(
     tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim, query.dtype)
-    keys_per_program = config["KEYS_PER_PROGRAM"]
-    # one program per chunk, up to PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only)
+    min_keys = config["MIN_KEYS_PER_CHUNK"]
+    # up to PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only); the kernel sizes
+    # the chunks from the keys it finds
     programs = max(1, PROGRAMS_PER_SM * num_sms(query.device) // num_kv_heads)
-    programs = min(programs, num_rows * triton.cdiv(scores.shape[2], keys_per_program))
+    programs = min(programs, num_rows * triton.cdiv(scores.shape[2], min_keys))
     _pillar_scores_kernel[(programs, num_kv_heads)](
         query, k_cache, page_table, query_start, lse, num_old_keys, scores,
         best if best is not None else scores, num_rows, best.shape[2] if best is not None else 0,
@@ -286,7 +293,7 @@ def pillar_scores_into(
         page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1),
         best.stride(0) if best is not None else 0, best.stride(1) if best is not None else 0, scale * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
-        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], KEYS_PER_PROGRAM=keys_per_program,
+        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], MIN_KEYS_PER_CHUNK=min_keys,
         ROWS_PAD=next_power_of_2(num_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip

@@ -30,9 +30,11 @@ CASES = {
     "no_old_keys": ([9, 30], [9, 9]),
     "two_query_tiles": ([60, 20], [30, 2]),
     "page_edge": ([25, 16], [9, 9]),
-    # 9 chunks of 512 keys for 8 programs per KV head on the interpreter: a program scores chunks of
-    # two rows, and the rows without old keys take none
+    # 3,913 old keys over 8 programs per KV head on the interpreter: chunks of 512 keys, 10 of them,
+    # so a program scores chunks of two rows, and the rows without old keys take none
     "rows_without_keys": ([9, 2600, 9, 1300, 40], [9, 9, 9, 9, 9]),
+    # 2,582 old keys over 8 programs: chunks of 384 keys (3 blocks of 128), each row's last one partial
+    "uneven_chunks": ([1500, 1100], [9, 9]),
 }
 
 
