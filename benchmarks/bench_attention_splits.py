@@ -1,16 +1,19 @@
-"""How finely the unified attention launch should split a verification's keys, by batch and context.
+"""How finely the unified attention launch should split its rows' keys, by batch and context.
 
 `attention_plan` cuts every row's keys into work items of about `total keys / items` keys, but never
-fewer than a floor (`MIN_KEYS_PER_FULL_SPLIT` for the verification rows, `MIN_KEYS_PER_SPLIT` for the
-drafts). At 256 rows the chunk is above the floors; at 64 rows the floor decides, and the 8 or so
-verification rows of an iteration may leave most of the H200's 132 multiprocessors idle.
+fewer than a floor (`MIN_KEYS_PER_FULL_SPLIT` for full rows, `MIN_KEYS_PER_SPLIT` for the drafts). At
+256 rows and long contexts the chunk is above the floors; at 64 rows or short contexts the floors
+decide.
 
-For each (batch, context) this times the mixed batch of one layer (round(B / 9) rows verify 9 tokens,
-the rest draft over 5 % of the keys, as `bench_kernels.Problem.mixed`) under each floor and programs
-per SM, as CUDA-graph replays (`do_bench`, L2 flushed), and checks every output against the default
-plan's. Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).
+For each (batch, context) this times one layer's launch under each pair of floors, as CUDA-graph
+replays (`do_bench`, L2 flushed), and checks every output against the first pair's plan:
+- `mixed`: round(B / 9) rows verify 9 tokens, the rest draft over max(`--min-budget`, 5 % of the
+  keys) selected keys plus a recent window of 1-9 (`bench_kernels.Problem.mixed`; the engine's
+  default min_budget is 128; the diagonal selection's moved keys are left out);
+- `ar`: every row one query with full attention (the AR mode's plain steps).
+Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).
 
-    python benchmarks/bench_attention_splits.py --batches 64,256 --contexts 1024,4096,8192
+    python benchmarks/bench_attention_splits.py --batches 64,256 --contexts 1024,4096,8192 --kinds mixed,ar
 """
 
 from __future__ import annotations
@@ -32,31 +35,55 @@ from hf_sparsespec.kernels import attention_plan  # noqa: E402
 from hf_sparsespec.kernels.mixed_attention import mixed_attention  # noqa: E402
 
 
-def time_splits(p: Problem, floors: list[int], per_sm: list[int]) -> list[dict]:
-    args, host, n_v = p.mixed()
+def with_min_budget(p: Problem, min_budget: int) -> None:
+    """Drafts select max(min_budget, 5 % of the context) keys, as the engine's `min_budget` makes them."""
+    if min_budget <= p.budget:
+        return
+    p.budget = min(min_budget, p.context - 10)
+    p.num_selected = torch.full_like(p.num_selected, p.budget)
+    noise = torch.rand(p.batch, p.num_kv_heads, p.context - 10, device=p.k_cache.device)
+    p.selected = noise.topk(p.budget, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+
+
+def launch(p: Problem, kind: str):
+    """(mixed_attention args, host plan inputs, bytes that must move) of one layer's batch."""
+    if kind == "mixed":
+        args, host, n_v = p.mixed()
+        return args, host, n_v, p.full_bytes(n_v, 9) + p.draft_bytes(p.batch - n_v)
+    starts = list(range(p.batch + 1))
+    zeros = [0] * p.batch
+    i32 = bench_kernels.i32
+    args = (p.q1, p.k_cache, p.v_cache, p.page_table, i32(starts), p.context_lens, p.batch, i32(zeros),
+            p.selected, p.selection_slot, i32(zeros), p.scale)  # fmt: skip
+    return args, (starts, [p.context] * p.batch, p.batch, zeros, zeros), p.batch, p.full_bytes(p.batch, 1)
+
+
+def time_splits(p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: list[int]) -> list[dict]:
+    args, host, n_full, moved = launch(p, kind)
     device = torch.device(bench_kernels.DEV)
-    saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT)
+    saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)
     reference = None
     rows = []
     try:
         for programs in per_sm:
-            for floor in floors:
-                attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT = programs, floor
+            for full_floor, draft_floor in floors:
+                attention_plan.PROGRAMS_PER_SM = programs
+                attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT = full_floor, draft_floor
                 plan = attention_plan.plan_attention(*host, group=p.group, num_kv_heads=p.num_kv_heads, device=device)
                 out, _ = mixed_attention(*args, plan=plan)
                 if reference is None:
                     reference = out.float()
                 err = (out.float() - reference).abs().max().item()
                 ms = bench(lambda plan=plan: mixed_attention(*args, plan=plan), 5, 40)
-                moved = p.full_bytes(n_v, 9) + p.draft_bytes(p.batch - n_v)
                 rows.append({
-                    "batch": p.batch, "context": p.context, "verify_rows": n_v, "programs_per_sm": programs,
-                    "min_keys_per_full_split": floor, "work_items": plan.num_work, "ms": ms,
+                    "kind": kind, "batch": p.batch, "context": p.context, "full_rows": n_full, "draft_keys": p.budget,
+                    "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
+                    "min_keys_per_split": draft_floor, "work_items": plan.num_work, "ms": ms,
                     "roofline": moved / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
                 })  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT = saved
+        attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT = saved
     return rows
 
 
@@ -65,21 +92,26 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=list(bench_kernels.MODELS))
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--contexts", default="1024,4096,8192")
-    parser.add_argument("--floors", default="1024,512,256,128", help="least keys per verification split (first: the reference)")
-    parser.add_argument("--programs-per-sm", default="4,8")
+    parser.add_argument("--kinds", default="mixed,ar", help="mixed (verify + draft rows), ar (one-query full rows)")
+    parser.add_argument("--min-budget", type=int, default=128, help="the least keys a draft selects")
+    parser.add_argument("--floors", default="1024:256,512:256,256:256,1024:128,1024:64",
+                        help="full:draft least keys per split (first: the reference)")  # fmt: skip
+    parser.add_argument("--programs-per-sm", default="4")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes under TRITON_INTERPRET=1 on the CPU")
     a = parser.parse_args()
     if a.smoke:
         bench_kernels.DEV, bench_kernels.DT = "cpu", torch.float16
-        a.batches, a.contexts, a.floors = "10", "200", "128,64"
-    floors = [int(f) for f in a.floors.split(",")]
+        a.batches, a.contexts, a.floors, a.min_budget = "10", "200", "128:64,64:64,128:32", 20
+    floors = [tuple(int(n) for n in f.split(":")) for f in a.floors.split(",")]
     per_sm = [int(n) for n in a.programs_per_sm.split(",")]
     rows = []
     for batch in map(int, a.batches.split(",")):
         for context in map(int, a.contexts.split(",")):
             p = Problem(a.model, batch, context)
-            rows += time_splits(p, floors, per_sm)
+            with_min_budget(p, a.min_budget)
+            for kind in a.kinds.split(","):
+                rows += time_splits(p, kind, floors, per_sm)
             del p
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -87,11 +119,11 @@ def main() -> None:
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     with open(os.path.join(a.out, "bench_attention_splits.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
-    print("\nbatch | context | verify rows | programs/SM | min keys/full split | items | ms | roofline | err")
+    print("\nkind | batch | context | full rows | draft keys | programs/SM | least keys per full / draft split | items | ms | roofline | err")
     for r in rows:
-        print(f"{r['batch']:5d} | {r['context']:7d} | {r['verify_rows']:3d} | {r['programs_per_sm']:2d} | "
-              f"{r['min_keys_per_full_split']:5d} | {r['work_items']:5d} | {r['ms']:.4f} | {r['roofline']:.1%} | "
-              f"{r['max_err_vs_first']:.2e}")  # fmt: skip
+        print(f"{r['kind']} | {r['batch']} | {r['context']} | {r['full_rows']} | {r['draft_keys']} | {r['programs_per_sm']} | "
+              f"{r['min_keys_per_full_split']} / {r['min_keys_per_split']} | {r['work_items']} | {r['ms']:.4f} | "
+              f"{r['roofline']:.1%} | {r['max_err_vs_first']:.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,13 +38,13 @@ from hf_sparsespec.kernels._checks import next_power_of_2
 # Keys of one block of the kernels' inner loop; split boundaries are rounded to it.
 KEY_ALIGN = 64
 # The fewest keys a split gets, for full-row tiles and draft tiles: below this, the per-program cost
-# (loading Q, writing fp32 partials, merging) stops being small next to the keys' bytes. The floor
-# decides only where `total keys / items` is below it: small batches, short contexts. On the H200
-# (docs/measurements.md section 20, `bench_attention_splits.py`) a 256-key floor for full tiles took
-# a 64-row mixed layer at 1K contexts from 37 to 20 us and a 256-row one from 49 to 37 us; at 8K it
-# is within 10 % of the best of 256 / 512 / 1,024.
+# (loading Q, writing fp32 partials, merging) stops being small next to the keys' bytes. A full tile's
+# partials are up to BLOCK_M rows, a draft tile's one group, hence the different floors. The floors
+# decide only where `total keys / items` is below them: small batches, short contexts. A 256-key floor
+# for full tiles sped up a synthetic mixed layer (64 rows, 1K keys, drafts of ~60 keys: 37 -> 20 us)
+# but not the engine's, and slowed AR's one-query rows (docs/measurements.md section 20).
 MIN_KEYS_PER_SPLIT = 256
-MIN_KEYS_PER_FULL_SPLIT = 256
+MIN_KEYS_PER_FULL_SPLIT = 1024
 # Programs the decomposition aims for, per multiprocessor (several waves hide the tail).
 PROGRAMS_PER_SM = 4
 # The largest packed query tile (queries x GQA group) of full rows.
