@@ -74,8 +74,7 @@ def launch(p: Problem, kind: str, num_moved: int = 0):
 
 
 def time_splits(p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: list[int], num_moved: int) -> list[dict]:
-    args, kwargs, host, n_full, moved = launch(p, kind, num_moved)
-    num_moved = num_moved if kwargs else 0
+    args, kwargs, host, n_full, bytes_to_move = launch(p, kind, num_moved)
     device = torch.device(bench_kernels.DEV)
     saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)
     reference = None
@@ -97,7 +96,7 @@ def time_splits(p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: li
                     "moved": num_moved,
                     "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
                     "min_keys_per_split": draft_floor, "work_items": plan.num_work, "ms": ms,
-                    "roofline": moved / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
+                    "roofline": bytes_to_move / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
                 })  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
     finally:

@@ -11,7 +11,8 @@ reference already while scoring), and the sampler's `keyed_sample` (one token pe
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
 acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
 the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p without sorting
-the vocabulary) and `store_rows` (the drafts' distributions into their store; rows indexed -1 skipped). The Triton calls never read device memory back (CUDA-graph safe).
+the vocabulary) and `store_rows` (the drafts' distributions into their store; rows indexed -1
+skipped). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
