@@ -18,7 +18,7 @@ Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per sh
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
 finish with plain one-token steps), any of our drafting runs with `_refresh<n>` appended
 (`induction_diagonal_compiled_refresh2`: `selection_refresh_interval=n`, one scoring pass every n
-verifications) and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
+verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`) and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
 plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_unfused` appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
@@ -123,8 +123,9 @@ def unfused_sampling(active: bool):
 
 def run_fields(run: str, args) -> dict:
     """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_from<n>` adds `min_draft_context=n`,
-    `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_tail` `plain_tail_rows` (in that order:
-    `pillar_tail_refresh2_from2048`); `_unfused`, last, changes no field (see `unfused_sampling`)."""
+    `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail`
+    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `_unfused`, last, changes no
+    field (see `unfused_sampling`)."""
     run = run.removesuffix("_unfused")
     fields = {}
     base, _, context = run.rpartition("_from")
@@ -133,6 +134,9 @@ def run_fields(run: str, args) -> dict:
     base, _, interval = run.rpartition("_refresh")
     if base and interval.isdigit():
         run, fields = base, fields | dict(selection_refresh_interval=int(interval))
+    base, _, drafts = run.rpartition("_k")
+    if base and drafts.isdigit():
+        run, fields = base, fields | dict(num_draft_tokens=int(drafts))
     if run.endswith("_tail"):
         run, fields = run.removesuffix("_tail"), fields | dict(plain_tail_rows=getattr(args, "plain_tail_rows", 64))
     return SELECTIONS[run] | fields

@@ -84,6 +84,12 @@ def test_run_names_map_to_config_fields():
     assert run_fields("induction_diagonal_compiled_refresh2_from2048", args) == dict(
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, min_draft_context=2048)
     assert run_fields("pillar_from512_unfused", args) == dict(selection="pillar", min_draft_context=512)
+    assert run_fields("induction_diagonal_compiled_k16_refresh2_from2048", args) == dict(
+        selection="induction_diagonal", compile_forward=True, num_draft_tokens=16, selection_refresh_interval=2,
+        min_draft_context=2048)
+    assert run_fields("pillar_tail_k12", args) == dict(selection="pillar", plain_tail_rows=32, num_draft_tokens=12)
+    with pytest.raises(KeyError):
+        run_fields("pillar_k", args)
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
     with pytest.raises(KeyError):

@@ -36,7 +36,7 @@ def _generate(model, ids, mask, config, max_new_tokens=48, **kwargs):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("k", [0, 4, 16])
 def test_graphs_equal_eager_and_plain_generate(arch, k, runners):
     model = tiny_model(arch).cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
@@ -106,7 +106,7 @@ def test_temperature_only_sampling_fuses_the_softmax(k, min_new_tokens, runners,
     assert all(r.counters.graph_replays > 0 for r in runners)
 
 
-@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("k", [0, 4, 16])
 def test_compiled_forward_with_graphs_equals_plain_generate(k, runners):
     """`compile_forward=True` on the GPU: inductor's kernels inside the captured iterations; float32,
     so greedy must match plain `generate` token for token (ties aside)."""

@@ -51,9 +51,10 @@ def exact_greedy_run(arch: str, lengths: list[int], max_new_tokens: int, config:
         SparseSpecConfig(num_draft_tokens=6, min_budget=4, page_size=8, scheduler="naive", delayed_verification=False,
                          adaptive_draft_tokens=True, min_draft_tokens=1),  # fmt: skip
         SparseSpecConfig(num_draft_tokens=5, min_budget=3, page_size=2, selection="diagonal", adaptive_draft_tokens=True),
+        SparseSpecConfig(num_draft_tokens=16, min_budget=4, budget_ratio=0.05, page_size=4),
     ],
     ids=["k4-pillar", "k8-pillar", "k3-streaming", "k5-naive-sync", "k4-diagonal", "k7-diagonal-naive",
-         "k8-adaptive", "k6-adaptive-naive-sync", "k5-diagonal-adaptive"],  # fmt: skip
+         "k8-adaptive", "k6-adaptive-naive-sync", "k5-diagonal-adaptive", "k16-induction-diagonal"],  # fmt: skip
 )
 def test_ragged_batch_matches_plain_generate(arch, config):
     model = tiny_model(arch)
