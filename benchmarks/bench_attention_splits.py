@@ -7,9 +7,9 @@ decide.
 
 For each (batch, context) this times one layer's launch under each pair of floors, as CUDA-graph
 replays (`do_bench`, L2 flushed), and checks every output against the first pair's plan:
-- `mixed`: round(B / 9) rows verify 9 tokens, the rest draft over max(`--min-budget`, 5 % of the
-  keys) selected keys plus a recent window of 1-9 (`bench_kernels.Problem.mixed`; the engine's
-  default min_budget is 128), and `--moved` moved-key entries per (row, KV head) as the default
+- `mixed`: round(B / (k + 1)) rows verify k + 1 tokens (`--verify-tokens`, 9 by default), the rest
+  draft over max(`--min-budget`, 5 % of the keys) selected keys plus a recent window of 1-9
+  (`bench_kernels.Problem.mixed`; the engine's default min_budget is 128), and `--moved` moved-key entries per (row, KV head) as the default
   selection's (`induction_diagonal`: (k + 1) x group diagonal entries + 16 induction entries = 70 on
   this shape), half of them keys the selection holds already (the kernel searches the selection to
   skip those);
@@ -58,13 +58,14 @@ def moved_offsets(p: Problem, num_moved: int) -> torch.Tensor:
     return (keys - (p.context - 1)).to(torch.int32)
 
 
-def launch(p: Problem, kind: str, num_moved: int = 0):
+def launch(p: Problem, kind: str, num_moved: int = 0, verify_tokens: int = 9):
     """(mixed_attention args, kwargs, host plan inputs, full rows, bytes that must move) of one layer."""
     if kind == "mixed":
-        args, host, n_v = p.mixed()
+        args, host, n_v = p.mixed(verify_tokens)
         kwargs = {"offsets": moved_offsets(p, num_moved)} if num_moved else {}
         moved_bytes = (p.batch - n_v) * p.num_kv_heads * num_moved * (p.head_dim * 2 * 2 + 4)
-        return args, kwargs, host, n_v, p.full_bytes(n_v, 9) + p.draft_bytes(p.batch - n_v) + moved_bytes
+        verify_bytes = p.full_bytes(n_v, verify_tokens)
+        return args, kwargs, host, n_v, verify_bytes + p.draft_bytes(p.batch - n_v) + moved_bytes
     starts = list(range(p.batch + 1))
     zeros = [0] * p.batch
     i32 = bench_kernels.i32
@@ -73,8 +74,10 @@ def launch(p: Problem, kind: str, num_moved: int = 0):
     return args, {}, (starts, [p.context] * p.batch, p.batch, zeros, zeros), p.batch, p.full_bytes(p.batch, 1)
 
 
-def time_splits(p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: list[int], num_moved: int) -> list[dict]:
-    args, kwargs, host, n_full, bytes_to_move = launch(p, kind, num_moved)
+def time_splits(
+    p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: list[int], num_moved: int, verify_tokens: int = 9
+) -> list[dict]:
+    args, kwargs, host, n_full, bytes_to_move = launch(p, kind, num_moved, verify_tokens)
     device = torch.device(bench_kernels.DEV)
     saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)
     reference = None
@@ -93,7 +96,7 @@ def time_splits(p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: li
                 ms = bench(lambda plan=plan: mixed_attention(*args, plan=plan, **kwargs), 5, 40)
                 rows.append({
                     "kind": kind, "batch": p.batch, "context": p.context, "full_rows": n_full, "draft_keys": p.budget,
-                    "moved": num_moved,
+                    "moved": num_moved, "verify_tokens": verify_tokens if kind == "mixed" else 1,
                     "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
                     "min_keys_per_split": draft_floor, "work_items": plan.num_work, "ms": ms,
                     "roofline": bytes_to_move / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--kinds", default="mixed,ar", help="mixed (verify + draft rows), ar (one-query full rows)")
     parser.add_argument("--min-budget", type=int, default=128, help="the least keys a draft selects")
     parser.add_argument("--moved", default="0,70", help="moved-key entries per draft row and KV head, one run each")
+    parser.add_argument("--verify-tokens", default="9",
+                        help="k + 1 tokens per verification of the mixed kind, one run each (17: k = 16)")  # fmt: skip
     parser.add_argument("--floors", default="1024:256,512:256,256:256,1024:128,1024:64",
                         help="full:draft least keys per split (first: the reference)")  # fmt: skip
     parser.add_argument("--programs-per-sm", default="4")
@@ -121,6 +126,7 @@ def main() -> None:
     if a.smoke:
         bench_kernels.DEV, bench_kernels.DT = "cpu", torch.float16
         a.batches, a.contexts, a.floors, a.min_budget, a.moved = "10", "200", "128:64,64:64,128:32", 20, "0,6"
+        a.verify_tokens = "9,17"
     floors = [tuple(int(n) for n in f.split(":")) for f in a.floors.split(",")]
     per_sm = [int(n) for n in a.programs_per_sm.split(",")]
     rows = []
@@ -129,8 +135,9 @@ def main() -> None:
             p = Problem(a.model, batch, context)
             with_min_budget(p, a.min_budget)
             for kind in a.kinds.split(","):
-                for num_moved in map(int, a.moved.split(",") if kind == "mixed" else [0]):
-                    rows += time_splits(p, kind, floors, per_sm, num_moved)
+                for verify_tokens in map(int, a.verify_tokens.split(",") if kind == "mixed" else [1]):
+                    for num_moved in map(int, a.moved.split(",") if kind == "mixed" else [0]):
+                        rows += time_splits(p, kind, floors, per_sm, num_moved, verify_tokens)
             del p
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -138,9 +145,11 @@ def main() -> None:
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     with open(os.path.join(a.out, "bench_attention_splits.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
-    print("\nkind | batch | context | full rows | draft keys | moved | programs/SM | least keys per full / draft split | items | ms | roofline | err")
+    print("\nkind | batch | context | full rows (tokens each) | draft keys | moved | programs/SM | least keys per full / draft "
+          "split | items | ms | roofline | err")  # fmt: skip
     for r in rows:
-        print(f"{r['kind']} | {r['batch']} | {r['context']} | {r['full_rows']} | {r['draft_keys']} | {r['moved']} | {r['programs_per_sm']} | "
+        print(f"{r['kind']} | {r['batch']} | {r['context']} | {r['full_rows']} ({r['verify_tokens']}) | {r['draft_keys']} | "
+              f"{r['moved']} | {r['programs_per_sm']} | "
               f"{r['min_keys_per_full_split']} / {r['min_keys_per_split']} | {r['work_items']} | {r['ms']:.4f} | "
               f"{r['roofline']:.1%} | {r['max_err_vs_first']:.2e}")  # fmt: skip
 

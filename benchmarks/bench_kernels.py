@@ -165,14 +165,17 @@ class Problem:
             group=self.group, num_kv_heads=self.num_kv_heads, device=torch.device(DEV),
         )  # fmt: skip
 
-    def mixed(self):
-        """Rows [0, n_v) verify 9 tokens, rows [n_v, B) draft: args, host plan inputs, n_v."""
-        n_v = max(1, round(self.batch / (K_DRAFTS + 1)))
-        q_lens = [K_DRAFTS + 1] * n_v + [1] * (self.batch - n_v)
+    def mixed(self, verify_tokens: int = K_DRAFTS + 1):
+        """Rows [0, n_v) verify `verify_tokens` (k + 1) tokens, n_v = round(B / (k + 1)) as the unified
+        scheduler balances them; rows [n_v, B) draft: args, host plan inputs, n_v."""
+        n_v = max(1, round(self.batch / verify_tokens))
+        q_lens = [verify_tokens] * n_v + [1] * (self.batch - n_v)
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
-        query = torch.cat([self.q9[: n_v * (K_DRAFTS + 1)], self.q1[n_v:]])
+        if n_v * verify_tokens > self.q9.shape[0]:
+            raise ValueError(f"{n_v} verifications of {verify_tokens} tokens: more queries than the problem holds")
+        query = torch.cat([self.q9[: n_v * verify_tokens], self.q1[n_v:]])
         recent_start = [0] * n_v + self.recent_start[n_v:].tolist()
         num_selected = [0] * n_v + [self.budget] * (self.batch - n_v)
         args = (query, self.k_cache, self.v_cache, self.page_table, i32(starts), self.context_lens, n_v,

@@ -20,7 +20,9 @@ finish with plain one-token steps), any of our drafting runs with `_refresh<n>` 
 (`induction_diagonal_compiled_refresh2`: `selection_refresh_interval=n`, one scoring pass every n
 verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`) and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
 plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
-`_compiled`), any of our runs with `_unfused` appended last (the logits pipeline's fused paths off:
+`_compiled`), any of our runs with `_fullsplit<n>` appended (full rows' tiles split into pieces of at
+least n keys instead of 1,024: `induction_diagonal_compiled_refresh2_fullsplit512`), and with `_unfused`
+appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
 `delayed` (+ delayed verification) -> `pillar` (+ CUDA graphs).
@@ -77,6 +79,7 @@ from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
+from hf_sparsespec.kernels import attention_plan
 from hf_sparsespec.sampling import LogitsPipeline
 
 HBM_BYTES_PER_S = 4.26e12
@@ -121,12 +124,34 @@ def unfused_sampling(active: bool):
         LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation = saved
 
 
+def split_full_floor(run: str) -> tuple[str, int | None]:
+    """`(run without it, n)` of a run name ending in `_fullsplit<n>` (before `_unfused`), else `(run, None)`."""
+    base, _, floor = run.rpartition("_fullsplit")
+    return (base, int(floor)) if base and floor.isdigit() else (run, None)
+
+
+@contextlib.contextmanager
+def run_settings(run: str):
+    """The module settings of a run name's last suffixes, which change no config field: `_unfused`
+    (`unfused_sampling`) and, before it, `_fullsplit<n>`: the least keys per split of a full row's
+    tile (`attention_plan.MIN_KEYS_PER_FULL_SPLIT`, 1,024; verifications, plain steps, prefill) set to n."""
+    _, floor = split_full_floor(run.removesuffix("_unfused"))
+    saved = attention_plan.MIN_KEYS_PER_FULL_SPLIT
+    if floor is not None:
+        attention_plan.MIN_KEYS_PER_FULL_SPLIT = floor
+    try:
+        with unfused_sampling(run.endswith("_unfused")):
+            yield
+    finally:
+        attention_plan.MIN_KEYS_PER_FULL_SPLIT = saved
+
+
 def run_fields(run: str, args) -> dict:
     """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_from<n>` adds `min_draft_context=n`,
     `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail`
-    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `_unfused`, last, changes no
-    field (see `unfused_sampling`)."""
-    run = run.removesuffix("_unfused")
+    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `_fullsplit<n>` and then
+    `_unfused`, last, change no field (see `run_settings`)."""
+    run, _ = split_full_floor(run.removesuffix("_unfused"))
     fields = {}
     base, _, context = run.rpartition("_from")
     if base and context.isdigit():
@@ -467,7 +492,7 @@ def main() -> None:
                 if pages.startswith("1/"):
                     pages = pool_for_a_fraction(model, prompts, n, 1 / int(pages[2:]), config)
                 config = dataclasses.replace(config, num_pages=int(pages))
-            with unfused_sampling(run.endswith("_unfused")):
+            with run_settings(run):
                 if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
                     # dynamo's compilation with compile_forward); graphs are per call and are captured again
                     started = time.perf_counter()

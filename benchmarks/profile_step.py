@@ -6,8 +6,8 @@ engine configurations side by side in one process (random weights of a real shap
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --prompt-tokens 8000 --top-k 20 --top-p 0.8 \
         --runs induction_diagonal,induction_diagonal_unfused,induction_diagonal_overlap
 
-Per run (names as in e2e_throughput.py, and `<run>_unfused`: the same with the logits pipeline's fused
-paths off; graphs on unless the run turns them off): the engine decodes
+Per run (names as in e2e_throughput.py, with its `_k<n>`, `_fullsplit<n>` and `_unfused` suffixes;
+graphs on unless the run turns them off): the engine decodes
 to a steady state (through the whole chunked prefill, then `--warm-iterations` decode iterations,
 which compile kernels and capture graphs), then `--iterations` iterations are timed (wall time of `step()` and CUDA-event device
 time of each iteration) and, with `--profile`, traced by torch.profiler: the kernels by device time per
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from e2e_throughput import run_fields, unfused_sampling
+from e2e_throughput import run_fields, run_settings
 from loading import add_model_arguments, load_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
@@ -51,7 +51,7 @@ def kernel_table(prof, iterations: int) -> tuple[float, float, list[tuple[str, f
 
 
 def measure(model, prompts, args, run: str) -> dict:
-    with unfused_sampling(run.endswith("_unfused")):
+    with run_settings(run):
         return _measure(model, prompts, args, run)
 
 

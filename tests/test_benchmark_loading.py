@@ -90,10 +90,29 @@ def test_run_names_map_to_config_fields():
     assert run_fields("pillar_tail_k12", args) == dict(selection="pillar", plain_tail_rows=32, num_draft_tokens=12)
     with pytest.raises(KeyError):
         run_fields("pillar_k", args)
+    assert run_fields("induction_diagonal_compiled_refresh2_fullsplit512_unfused", args) == dict(
+        selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2)
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
     with pytest.raises(KeyError):
         run_fields("pillar_fromage", args)
+
+
+def test_a_full_split_suffix_sets_the_engines_floor_for_its_run_only():
+    import numpy as np
+    from e2e_throughput import run_settings
+
+    from hf_sparsespec.kernels import attention_plan
+
+    def full_pieces() -> int:  # one verification of 9 queries over 4,096 keys, 264 items (a 132-SM GPU)
+        work, _, _ = attention_plan.plan_work_lists(
+            [0, 9], [4096], 1, [0], [0], group=6, block_m_full=64, items=264)  # fmt: skip
+        return int(np.count_nonzero(work[:, 0] == 0))
+
+    assert full_pieces() == 4  # the 1,024-key floor
+    with run_settings("induction_diagonal_refresh2_fullsplit512_unfused"):
+        assert full_pieces() == 8
+    assert full_pieces() == 4 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
 
 
 def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():

@@ -133,8 +133,8 @@ def plan_work_lists(
     group: int,
     block_m_full: int,
     items: int,
-    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
-    min_keys_per_full_split: int = MIN_KEYS_PER_FULL_SPLIT,
+    min_keys_per_split: int | None = None,
+    min_keys_per_full_split: int | None = None,
     capacity: PlanCapacity | None = None,
     num_moved: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -144,8 +144,11 @@ def plan_work_lists(
     lengths / selected counts / recent starts; rows `[0, num_full_rows)` attend fully and causally, the
     rest are one-query draft rows. `capacity`: pad both lists to its sizes with no-op entries (and
     check the bounds). `num_moved`: moved-key entries every draft row attends besides its selection
-    (the diagonal selection; the kernel masks the ones that fall outside or repeat).
+    (the diagonal selection; the kernel masks the ones that fall outside or repeat). The floors default
+    to the module constants as they are at the call (benchmarks set them).
     """
+    min_keys_per_split = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else min_keys_per_split
+    min_keys_per_full_split = MIN_KEYS_PER_FULL_SPLIT if min_keys_per_full_split is None else min_keys_per_full_split
     query_start = np.asarray(query_start, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
     num_rows = context_lens.shape[0]
