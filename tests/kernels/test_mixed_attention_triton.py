@@ -102,6 +102,28 @@ def test_mixed_attention_one_kind_of_row(device, full_rows, draft_rows):
     assert torch.equal(lse.isinf(), ref_lse.isinf())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_verifications_of_k16_fill_a_128_row_tile(device, dtype):
+    """k = 16: 17 queries x a GQA group of 6 (Qwen2.5-1.5B) pack 102 rows into one 128-row tile, beside
+    drafts; whole and split into pieces of 16 keys."""
+    full_rows, group = [(120, 17), (60, 17)], 6
+    assert block_sizes(17, group)[0] == 128
+    args, host = _mixed_batch(device, dtype, 16, group, 64, full_rows=full_rows)
+    ref_out, ref_lse = mixed_attention_ref(*args)
+    lowp = _lowp(args) if dtype != torch.float32 else None
+    splits = plan_attention(
+        host.query_start, host.context_lens, host.num_full_rows, host.num_selected, host.recent_start,
+        group=group, num_kv_heads=2, device=device, min_keys_per_split=16, target_programs=24,
+    )  # fmt: skip
+    assert splits.block_m_full == 128 and splits.num_merge > 0
+    for plan in (None, splits):
+        out, lse = mixed_attention(*args, plan=plan)
+        assert_attention_close(out, ref_out, lowp, dtype)
+        finite = ref_lse.isfinite()
+        assert torch.equal(lse.isinf(), ref_lse.isinf())
+        assert_attention_close(lse[finite], ref_lse[finite], None, torch.float32 if dtype == torch.float32 else dtype)
+
+
 def test_triton_backend_matches_torch_backend(device):
     """The engine's call pattern: a work list padded to a fixed capacity (no-op items and merge
     entries, as a CUDA graph replays it) reused by two layers, then PillarAttn on the verification

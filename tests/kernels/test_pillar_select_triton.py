@@ -35,6 +35,8 @@ CASES = {
     "rows_without_keys": ([9, 2600, 9, 1300, 40], [9, 9, 9, 9, 9]),
     # 2,582 old keys over 8 programs: chunks of 384 keys (3 blocks of 128), each row's last one partial
     "uneven_chunks": ([1500, 1100], [9, 9]),
+    # k = 16: verification blocks of 17 (17 x 6 = 102 rows of a 128-row tile with Qwen2.5-1.5B's group)
+    "verify_k16": ([120, 60], [17, 17]),
 }
 
 
