@@ -78,6 +78,12 @@ def _lowp(args):
 @pytest.mark.parametrize("page_size, group, head_dim", [(1, 1, 16), (16, 3, 32), (16, 6, 64)])
 def test_mixed_attention_matches_reference(device, dtype, page_size, group, head_dim):
     args, host = _mixed_batch(device, dtype, page_size, group, head_dim)
+    _check_whole_and_split(args, host, dtype, group, device)
+
+
+def _check_whole_and_split(args, host, dtype, group, device) -> AttentionPlan:
+    """The launch with the default plan and with pieces of 16 keys (24 programs) against the reference;
+    returns the split plan."""
     ref_out, ref_lse = mixed_attention_ref(*args)
     lowp = _lowp(args) if dtype != torch.float32 else None
     tiny_splits = plan_attention(
@@ -91,6 +97,7 @@ def test_mixed_attention_matches_reference(device, dtype, page_size, group, head
         assert torch.equal(lse.isinf(), ref_lse.isinf())  # draft tokens: -inf
         finite = ref_lse.isfinite()
         assert_attention_close(lse[finite], ref_lse[finite], None, torch.float32 if dtype == torch.float32 else dtype)
+    return tiny_splits
 
 
 @pytest.mark.parametrize("full_rows, draft_rows", [([], DRAFT_ROWS), (FULL_ROWS, [])])
@@ -109,19 +116,7 @@ def test_verifications_of_k16_fill_a_128_row_tile(device, dtype):
     full_rows, group = [(120, 17), (60, 17)], 6
     assert block_sizes(17, group)[0] == 128
     args, host = _mixed_batch(device, dtype, 16, group, 64, full_rows=full_rows)
-    ref_out, ref_lse = mixed_attention_ref(*args)
-    lowp = _lowp(args) if dtype != torch.float32 else None
-    splits = plan_attention(
-        host.query_start, host.context_lens, host.num_full_rows, host.num_selected, host.recent_start,
-        group=group, num_kv_heads=2, device=device, min_keys_per_split=16, target_programs=24,
-    )  # fmt: skip
-    assert splits.block_m_full == 128 and splits.num_merge > 0
-    for plan in (None, splits):
-        out, lse = mixed_attention(*args, plan=plan)
-        assert_attention_close(out, ref_out, lowp, dtype)
-        finite = ref_lse.isfinite()
-        assert torch.equal(lse.isinf(), ref_lse.isinf())
-        assert_attention_close(lse[finite], ref_lse[finite], None, torch.float32 if dtype == torch.float32 else dtype)
+    assert _check_whole_and_split(args, host, dtype, group, device).block_m_full == 128
 
 
 def test_triton_backend_matches_torch_backend(device):
