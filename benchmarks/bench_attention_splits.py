@@ -9,9 +9,9 @@ For each (batch, context) this times one layer's launch under each pair of floor
 replays (`do_bench`, L2 flushed), and checks every output against the first pair's plan:
 - `mixed`: round(B / (k + 1)) rows verify k + 1 tokens (`--verify-tokens`, 9 by default), the rest
   draft over max(`--min-budget`, 5 % of the keys) selected keys plus a recent window of 1-9
-  (`bench_kernels.Problem.mixed`; the engine's default min_budget is 128), and `--moved` moved-key entries per (row, KV head) as the default
-  selection's (`induction_diagonal`: (k + 1) x group diagonal entries + 16 induction entries = 70 on
-  this shape), half of them keys the selection holds already (the kernel searches the selection to
+  (`bench_kernels.Problem.mixed`; the engine's default min_budget is 128), and `--moved` moved-key
+  entries per (row, KV head) as the default selection's (`induction_diagonal`: (k + 1) x group
+  diagonal entries + 16 induction entries = 70 on this shape), half of them keys the selection holds already (the kernel searches the selection to
   skip those);
 - `ar`: every row one query with full attention (the AR mode's plain steps).
 Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).

@@ -261,12 +261,7 @@ def plan_attention(
             (module constants by default; tests lower them). `min_keys_per_split` alone sets both floors.
         num_moved: moved-key entries of every draft row (the diagonal selection), 0 otherwise.
     """
-    if min_keys_per_split is None:
-        min_keys_per_split = MIN_KEYS_PER_SPLIT
-        min_keys_per_full_split = (
-            MIN_KEYS_PER_FULL_SPLIT if min_keys_per_full_split is None else min_keys_per_full_split
-        )
-    elif min_keys_per_full_split is None:
+    if min_keys_per_full_split is None:  # None on both: the module's floors, resolved by `plan_work_lists`
         min_keys_per_full_split = min_keys_per_split
     q_lens = np.diff(np.asarray(query_start))
     block_m_full, block_m_draft = block_sizes(int(q_lens[:num_full_rows].max(initial=1)), group)
