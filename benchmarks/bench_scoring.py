@@ -4,7 +4,8 @@ selections' best-key tracking, over a few launch configurations (one GPU, bf16).
 One layer of Qwen2.5-1.5B's shape (12 query / 2 KV heads, head_dim 128, pages of 16 shuffled): `--rows`
 padded verification rows, the first `--active` of them with k + 1 = 9 queries and `--context` keys
 (the rest padding, as a 256-row unified batch pads ~29 verifications to 32). Per configuration
-(`BLOCK_N`, `num_warps`, `num_stages` of the "score" launch config): the scoring kernel
+(`BLOCK_N`, `num_warps`, `num_stages` of the "score" launch config, `--candidates`), least keys per
+chunk (`--min-keys-per-chunk`) and programs per SM (`--programs-per-sm`, the grid): the scoring kernel
 alone and the whole refresh (`update_selection`: scores, top-B into the selected-index store, and the
 moved-key offsets), as medians of CUDA-graph replays (GPU time). The bandwidth column counts the K
 bytes the scoring pass must read (each old key of each active row once per KV head). Prints a table
@@ -24,7 +25,7 @@ import bench_kernels
 import torch
 from bench_kernels import MODELS, Problem, bench, i32
 
-from hf_sparsespec.kernels import _attention_tile
+from hf_sparsespec.kernels import _attention_tile, pillar_select
 from hf_sparsespec.kernels.moved_keys import NO_OFFSET
 from hf_sparsespec.kernels.paged_attention import paged_attention
 from hf_sparsespec.kernels.pillar_select import pillar_scores_into, update_selection
@@ -81,6 +82,10 @@ def main() -> None:
     parser.add_argument("--budget-ratio", type=float, default=0.05)
     parser.add_argument("--min-keys-per-chunk", default="128",
                         help="comma-separated MIN_KEYS_PER_CHUNK values to sweep with every candidate")  # fmt: skip
+    parser.add_argument("--programs-per-sm", default=str(pillar_select.SCORE_PROGRAMS_PER_SM),
+                        help="comma-separated SCORE_PROGRAMS_PER_SM values (the grid) to sweep")  # fmt: skip
+    parser.add_argument("--candidates", default=",".join(":".join(map(str, c)) for c in CANDIDATES),
+                        help="comma-separated BLOCK_N:num_warps:num_stages launch configurations")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--smoke", action="store_true", help="fp16 under TRITON_INTERPRET=1 on the CPU (set it)")
     args = parser.parse_args()
@@ -91,22 +96,30 @@ def main() -> None:
     x = inputs(args.rows, args.active, args.context, args.budget_ratio)
     head_dim = MODELS[MODEL][2]
     k_bytes = args.active * (args.context - K_DRAFTS - 1) * MODELS[MODEL][1] * head_dim * x["problem"].k_cache.element_size()
-    saved = dict(_attention_tile.LAUNCH_CONFIG)
+    saved = dict(_attention_tile.LAUNCH_CONFIG), pillar_select.SCORE_PROGRAMS_PER_SM
     results = []
-    sweep = [(c, int(keys)) for keys in args.min_keys_per_chunk.split(",") for c in CANDIDATES]
+    candidates = [tuple(int(v) for v in c.split(":")) for c in args.candidates.split(",")]
+    sweep = [
+        (c, int(keys), int(per_sm))
+        for per_sm in args.programs_per_sm.split(",")
+        for keys in args.min_keys_per_chunk.split(",")
+        for c in candidates
+    ]
     for track_best in (False, True):
-        for (block_n, warps, stages), keys in sweep:
+        for (block_n, warps, stages), keys, per_sm in sweep:
             if keys % block_n:
                 continue
             config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "MIN_KEYS_PER_CHUNK": keys}
             _attention_tile.LAUNCH_CONFIG[("score", head_dim)] = config
+            pillar_select.SCORE_PROGRAMS_PER_SM = per_sm
             scores_ms, refresh_ms = time_config(x, track_best)
             results.append(dict(track_best=track_best, block_n=block_n, num_warps=warps, num_stages=stages,
-                                min_keys_per_chunk=keys, scores_ms=scores_ms, refresh_ms=refresh_ms,
-                                k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
+                                min_keys_per_chunk=keys, programs_per_sm=per_sm, scores_ms=scores_ms,
+                                refresh_ms=refresh_ms, k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
         _attention_tile.LAUNCH_CONFIG.clear()
-        _attention_tile.LAUNCH_CONFIG.update(saved)
+        _attention_tile.LAUNCH_CONFIG.update(saved[0])
+        pillar_select.SCORE_PROGRAMS_PER_SM = saved[1]
     os.makedirs(args.out, exist_ok=True)
     gpu = "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name()
     meta = dict(gpu=gpu, torch=torch.__version__, **vars(args))
@@ -114,11 +127,12 @@ def main() -> None:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     print(f"\n{MODEL} shape, {args.active} of {args.rows} rows verify {K_DRAFTS + 1} queries over {args.context} keys; "
           f"{meta['gpu']}, torch {meta['torch']}")  # fmt: skip
-    print("| pass | BLOCK_N | warps | stages | least keys / chunk | scoring ms | scoring K GB/s | refresh ms (scores + top-B + offsets) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pass | BLOCK_N | warps | stages | least keys / chunk | programs / SM | scoring ms | scoring K GB/s "
+          "| refresh ms (scores + top-B + offsets) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         name = "with best-key tracking" if r["track_best"] else "PillarAttn"
-        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} | {r['scores_ms']:.4f} | "
+        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} | {r['programs_per_sm']} | {r['scores_ms']:.4f} | "
               f"{r['k_gb_per_s']:.0f} | {r['refresh_ms']:.4f} |")  # fmt: skip
 
 

@@ -22,7 +22,8 @@ verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_comp
 and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
 plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_fullsplit<n>` appended (full rows' tiles split into pieces of at
-least n keys instead of 1,024: `induction_diagonal_compiled_refresh2_fullsplit512`), and with `_unfused`
+least n keys instead of 1,024: `induction_diagonal_compiled_refresh2_fullsplit512`) and then `_scoregrid<n>`
+(the scoring pass's grid: n programs per SM instead of 4), and with `_unfused`
 appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -80,7 +81,7 @@ from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
-from hf_sparsespec.kernels import attention_plan
+from hf_sparsespec.kernels import attention_plan, pillar_select
 from hf_sparsespec.sampling import LogitsPipeline
 
 HBM_BYTES_PER_S = 4.26e12
@@ -125,34 +126,49 @@ def unfused_sampling(active: bool):
         LogitsPipeline.fused_temperature, LogitsPipeline.fused_truncation = saved
 
 
-def split_full_floor(run: str) -> tuple[str, int | None]:
-    """`(run without it, n)` of a run name ending in `_fullsplit<n>` (before `_unfused`), else `(run, None)`."""
-    base, _, floor = run.rpartition("_fullsplit")
-    return (base, int(floor)) if base and floor.isdigit() else (run, None)
+# Run-name suffixes that set a module constant for one run (no config field), in the order they
+# are appended (before `_unfused`): `_fullsplit<n>` the least keys per split of a full row's tile
+# (verifications, plain steps, prefill; 1,024), `_scoregrid<n>` the scoring pass's programs per SM.
+MODULE_SUFFIXES = (
+    ("_fullsplit", attention_plan, "MIN_KEYS_PER_FULL_SPLIT"),
+    ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
+)
+
+
+def split_module_settings(run: str) -> tuple[str, list[tuple[object, str, int]]]:
+    """`(run without them, [(module, name, n), ...])` of a run name's `MODULE_SUFFIXES` (before `_unfused`)."""
+    run = run.removesuffix("_unfused")
+    settings = []
+    for suffix, module, name in reversed(MODULE_SUFFIXES):
+        base, _, value = run.rpartition(suffix)
+        if base and value.isdigit():
+            run = base
+            settings.append((module, name, int(value)))
+    return run, settings
 
 
 @contextlib.contextmanager
 def run_settings(run: str):
     """The module settings of a run name's last suffixes, which change no config field: `_unfused`
-    (`unfused_sampling`) and, before it, `_fullsplit<n>`: the least keys per split of a full row's
-    tile (`attention_plan.MIN_KEYS_PER_FULL_SPLIT`, 1,024; verifications, plain steps, prefill) set to n."""
-    _, floor = split_full_floor(run.removesuffix("_unfused"))
-    saved = attention_plan.MIN_KEYS_PER_FULL_SPLIT
-    if floor is not None:
-        attention_plan.MIN_KEYS_PER_FULL_SPLIT = floor
+    (`unfused_sampling`) and, before it, `MODULE_SUFFIXES`."""
+    _, settings = split_module_settings(run)
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
     try:
         with unfused_sampling(run.endswith("_unfused")):
             yield
     finally:
-        attention_plan.MIN_KEYS_PER_FULL_SPLIT = saved
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def run_fields(run: str, args) -> dict:
     """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_from<n>` adds `min_draft_context=n`,
     `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail`
-    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `_fullsplit<n>` and then
-    `_unfused`, last, change no field (see `run_settings`)."""
-    run, _ = split_full_floor(run.removesuffix("_unfused"))
+    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `_fullsplit<n>`, `_scoregrid<n>`
+    and then `_unfused`, last, change no field (see `run_settings`)."""
+    run, _ = split_module_settings(run)
     fields = {}
     base, _, context = run.rpartition("_from")
     if base and context.isdigit():

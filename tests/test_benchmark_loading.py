@@ -92,6 +92,8 @@ def test_run_names_map_to_config_fields():
         run_fields("pillar_k", args)
     assert run_fields("induction_diagonal_compiled_refresh2_fullsplit512_unfused", args) == dict(
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2)
+    assert run_fields("induction_diagonal_refresh2_fullsplit512_scoregrid2", args) == dict(
+        selection="induction_diagonal", selection_refresh_interval=2)
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
     with pytest.raises(KeyError):
@@ -113,6 +115,18 @@ def test_a_full_split_suffix_sets_the_engines_floor_for_its_run_only():
     with run_settings("induction_diagonal_refresh2_fullsplit512_unfused"):
         assert full_pieces() == 8
     assert full_pieces() == 4 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
+
+
+def test_a_scoring_grid_suffix_sets_the_scoring_programs_for_its_run_only():
+    from e2e_throughput import run_settings
+
+    from hf_sparsespec.kernels import attention_plan, pillar_select
+
+    with run_settings("induction_diagonal_fullsplit256_scoregrid2"):
+        assert pillar_select.SCORE_PROGRAMS_PER_SM == 2 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 256
+    with run_settings("induction_diagonal_scoregrid3_unfused"):
+        assert pillar_select.SCORE_PROGRAMS_PER_SM == 3 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
+    assert pillar_select.SCORE_PROGRAMS_PER_SM == 4 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
 
 
 def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():

@@ -53,9 +53,12 @@ from hf_sparsespec.kernels._checks import (
     next_power_of_2,
 )
 from hf_sparsespec.kernels._paging import gather_context
-from hf_sparsespec.kernels.attention_plan import PROGRAMS_PER_SM, num_sms
+from hf_sparsespec.kernels.attention_plan import num_sms
 from hf_sparsespec.kernels.moved_keys import moved_offsets_ref, store_moved_offsets
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
+
+# Scoring programs per SM over the KV heads (the grid; read at each launch, benchmarks set it).
+SCORE_PROGRAMS_PER_SM = 4
 
 
 def pillar_scores_ref(
@@ -282,9 +285,9 @@ def pillar_scores_into(
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim, query.dtype)
     min_keys = config["MIN_KEYS_PER_CHUNK"]
-    # up to PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only); the kernel sizes
-    # the chunks from the keys it finds
-    programs = max(1, PROGRAMS_PER_SM * num_sms(query.device) // num_kv_heads)
+    # up to SCORE_PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only); the kernel
+    # sizes the chunks from the keys it finds
+    programs = max(1, SCORE_PROGRAMS_PER_SM * num_sms(query.device) // num_kv_heads)
     programs = min(programs, num_rows * triton.cdiv(scores.shape[2], min_keys))
     _pillar_scores_kernel[(programs, num_kv_heads)](
         query, k_cache, page_table, query_start, lse, num_old_keys, scores,
