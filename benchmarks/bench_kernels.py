@@ -347,12 +347,12 @@ def sweep(model: str, batch: int = 256, context: int = 16384, small: tuple[int, 
            p.context - 9, p.scale)  # fmt: skip
     times = {}
     for bn, nw, ns in SCORE_CANDIDATES:
-        cfg[("score", d)] = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns, "MIN_KEYS_PER_CHUNK": 128}
+        cfg[("score", d)] = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
         times[(bn, nw, ns)] = bench(lambda: pillar_scores(*sel), 5, 40)
         log.append(("score", d, bn, nw, ns, times[(bn, nw, ns)]))
     best["score"] = min(times, key=times.get)
     bn, nw, ns = best["score"]
-    cfg[("score", d)] = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns, "MIN_KEYS_PER_CHUNK": 128}
+    cfg[("score", d)] = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
     # the fused kernel: warps/stages of the full or the draft winner, and the draft path's BLOCK_N
     args, host, _ = p.mixed()
     mplan = plan_attention(*host, group=p.group, num_kv_heads=p.num_kv_heads, device=torch.device(DEV))

@@ -80,8 +80,8 @@ def main() -> None:
     parser.add_argument("--active", type=int, default=29)
     parser.add_argument("--context", type=int, default=8000)
     parser.add_argument("--budget-ratio", type=float, default=0.05)
-    parser.add_argument("--min-keys-per-chunk", default="128",
-                        help="comma-separated MIN_KEYS_PER_CHUNK values to sweep with every candidate")  # fmt: skip
+    parser.add_argument("--min-keys-per-chunk", default=str(pillar_select.SCORE_MIN_KEYS_PER_CHUNK),
+                        help="comma-separated SCORE_MIN_KEYS_PER_CHUNK values to sweep")  # fmt: skip
     parser.add_argument("--programs-per-sm", default=str(pillar_select.SCORE_PROGRAMS_PER_SM),
                         help="comma-separated SCORE_PROGRAMS_PER_SM values (the grid) to sweep")  # fmt: skip
     parser.add_argument("--candidates", default=",".join(":".join(map(str, c)) for c in CANDIDATES),
@@ -96,7 +96,7 @@ def main() -> None:
     x = inputs(args.rows, args.active, args.context, args.budget_ratio)
     head_dim = MODELS[MODEL][2]
     k_bytes = args.active * (args.context - K_DRAFTS - 1) * MODELS[MODEL][1] * head_dim * x["problem"].k_cache.element_size()
-    saved = dict(_attention_tile.LAUNCH_CONFIG), pillar_select.SCORE_PROGRAMS_PER_SM
+    saved = dict(_attention_tile.LAUNCH_CONFIG), pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK
     results = []
     candidates = [tuple(int(v) for v in c.split(":")) for c in args.candidates.split(",")]
     sweep = [
@@ -109,9 +109,9 @@ def main() -> None:
         for (block_n, warps, stages), keys, per_sm in sweep:
             if keys % block_n:
                 continue
-            config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "MIN_KEYS_PER_CHUNK": keys}
+            config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
             _attention_tile.LAUNCH_CONFIG[("score", head_dim)] = config
-            pillar_select.SCORE_PROGRAMS_PER_SM = per_sm
+            pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK = per_sm, keys
             scores_ms, refresh_ms = time_config(x, track_best)
             results.append(dict(track_best=track_best, block_n=block_n, num_warps=warps, num_stages=stages,
                                 min_keys_per_chunk=keys, programs_per_sm=per_sm, scores_ms=scores_ms,
@@ -119,7 +119,7 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
         _attention_tile.LAUNCH_CONFIG.clear()
         _attention_tile.LAUNCH_CONFIG.update(saved[0])
-        pillar_select.SCORE_PROGRAMS_PER_SM = saved[1]
+        pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK = saved[1:]
     os.makedirs(args.out, exist_ok=True)
     gpu = "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name()
     meta = dict(gpu=gpu, torch=torch.__version__, **vars(args))

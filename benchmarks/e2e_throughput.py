@@ -23,7 +23,8 @@ and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft
 plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_fullsplit<n>` appended (full rows' tiles split into pieces of at
 least n keys instead of 1,024: `induction_diagonal_compiled_refresh2_fullsplit512`) and then `_scoregrid<n>`
-(the scoring pass's grid: n programs per SM instead of 4), and with `_unfused`
+(the scoring pass's grid: n programs per SM instead of 4) and `_scorechunk<n>` (its chunks at least n keys
+instead of 128), and with `_unfused`
 appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -128,10 +129,12 @@ def unfused_sampling(active: bool):
 
 # Run-name suffixes that set a module constant for one run (no config field), in the order they
 # are appended (before `_unfused`): `_fullsplit<n>` the least keys per split of a full row's tile
-# (verifications, plain steps, prefill; 1,024), `_scoregrid<n>` the scoring pass's programs per SM.
+# (verifications, plain steps, prefill; 1,024), `_scoregrid<n>` the scoring pass's programs per SM,
+# `_scorechunk<n>` the fewest keys of its chunks.
 MODULE_SUFFIXES = (
     ("_fullsplit", attention_plan, "MIN_KEYS_PER_FULL_SPLIT"),
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
+    ("_scorechunk", pillar_select, "SCORE_MIN_KEYS_PER_CHUNK"),
 )
 
 
@@ -166,7 +169,7 @@ def run_settings(run: str):
 def run_fields(run: str, args) -> dict:
     """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_from<n>` adds `min_draft_context=n`,
     `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail`
-    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `_fullsplit<n>`, `_scoregrid<n>`
+    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `MODULE_SUFFIXES`
     and then `_unfused`, last, change no field (see `run_settings`)."""
     run, _ = split_module_settings(run)
     fields = {}

@@ -117,16 +117,18 @@ def test_a_full_split_suffix_sets_the_engines_floor_for_its_run_only():
     assert full_pieces() == 4 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
 
 
-def test_a_scoring_grid_suffix_sets_the_scoring_programs_for_its_run_only():
+def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     from e2e_throughput import run_settings
 
     from hf_sparsespec.kernels import attention_plan, pillar_select
 
     with run_settings("induction_diagonal_fullsplit256_scoregrid2"):
         assert pillar_select.SCORE_PROGRAMS_PER_SM == 2 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 256
-    with run_settings("induction_diagonal_scoregrid3_unfused"):
-        assert pillar_select.SCORE_PROGRAMS_PER_SM == 3 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
-    assert pillar_select.SCORE_PROGRAMS_PER_SM == 4 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
+    with run_settings("induction_diagonal_scoregrid8_scorechunk256_unfused"):
+        assert (pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK) == (8, 256)
+        assert attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
+    assert (pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK) == (4, 128)
+    assert attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
 
 
 def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():

@@ -300,7 +300,7 @@ LAUNCH_CONFIG: dict[tuple[str, int | None], dict[str, int]] = {
     ("mixed", None): {"BLOCK_N_FULL": 64, "BLOCK_N_DRAFT": 64, "num_warps": 4, "num_stages": 2},
     ("mixed", 128): {"BLOCK_N_FULL": 64, "BLOCK_N_DRAFT": 128, "num_warps": 4, "num_stages": 3},
     ("mixed", 64): {"BLOCK_N_FULL": 128, "BLOCK_N_DRAFT": 64, "num_warps": 4, "num_stages": 3},
-    ("score", None): {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MIN_KEYS_PER_CHUNK": 128},
+    ("score", None): {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
 }
 
 

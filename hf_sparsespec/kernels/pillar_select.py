@@ -16,7 +16,7 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   program `(p, KV head)` of P takes chunks `p, p + P, ...`: rows with nothing to score (no queries,
   no old keys, a verification that keeps its selection: `selection_refresh_interval`) cost their
   programs nothing, and long rows spread over programs the short ones leave. A chunk holds the
-  keys to score divided by P (at least `MIN_KEYS_PER_CHUNK`), computed on the device each launch:
+  keys to score divided by P (at least `SCORE_MIN_KEYS_PER_CHUNK`), computed on the device each launch:
   8 verifications of 1K keys spread over 64 programs per KV head, not 16 (a program's few key blocks
   are latency-bound: docs/measurements.md section 20). A row's packed tile (its
   queries x the group's heads) usually fits one `tl.dot` tile, so each K block is read once and
@@ -57,8 +57,10 @@ from hf_sparsespec.kernels.attention_plan import num_sms
 from hf_sparsespec.kernels.moved_keys import moved_offsets_ref, store_moved_offsets
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 
-# Scoring programs per SM over the KV heads (the grid; read at each launch, benchmarks set it).
+# The scoring pass's grid and chunks (read at each launch; benchmarks set them): programs per SM
+# over the KV heads, and the fewest keys a chunk holds (a multiple of the launch's BLOCK_N).
 SCORE_PROGRAMS_PER_SM = 4
+SCORE_MIN_KEYS_PER_CHUNK = 128
 
 
 def pillar_scores_ref(
@@ -284,7 +286,7 @@ def pillar_scores_into(
     tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim, query.dtype)
-    min_keys = config["MIN_KEYS_PER_CHUNK"]
+    min_keys = triton.cdiv(SCORE_MIN_KEYS_PER_CHUNK, config["BLOCK_N"]) * config["BLOCK_N"]
     # up to SCORE_PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only); the kernel
     # sizes the chunks from the keys it finds
     programs = max(1, SCORE_PROGRAMS_PER_SM * num_sms(query.device) // num_kv_heads)
