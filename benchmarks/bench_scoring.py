@@ -5,8 +5,8 @@ One layer of Qwen2.5-1.5B's shape (12 query / 2 KV heads, head_dim 128, pages of
 padded verification rows, the first `--active` of them with k + 1 = 9 queries and `--context` keys
 (the rest padding, as a 256-row unified batch pads ~29 verifications to 32). Per configuration
 (`BLOCK_N`, `num_warps`, `num_stages` of the "score" launch config, `--candidates`), least keys per
-chunk (`--min-keys-per-chunk`) and programs per SM (`--programs-per-sm`, the grid): the scoring kernel
-alone and the whole refresh (`update_selection`: scores, top-B into the selected-index store, and the
+chunk (`--min-keys-per-chunk`), the keys chunks grow to (`--preferred-keys-per-chunk`) and programs
+per SM (`--programs-per-sm`, the grid): the scoring kernel alone and the whole refresh (`update_selection`: scores, top-B into the selected-index store, and the
 moved-key offsets), as medians of CUDA-graph replays (GPU time). The bandwidth column counts the K
 bytes the scoring pass must read (each old key of each active row once per KV head). Prints a table
 last; writes JSON to `--out`.
@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--budget-ratio", type=float, default=0.05)
     parser.add_argument("--min-keys-per-chunk", default=str(pillar_select.SCORE_MIN_KEYS_PER_CHUNK),
                         help="comma-separated SCORE_MIN_KEYS_PER_CHUNK values to sweep")  # fmt: skip
+    parser.add_argument("--preferred-keys-per-chunk", default=str(pillar_select.SCORE_PREFERRED_KEYS_PER_CHUNK),
+                        help="comma-separated SCORE_PREFERRED_KEYS_PER_CHUNK values to sweep")  # fmt: skip
     parser.add_argument("--programs-per-sm", default=str(pillar_select.SCORE_PROGRAMS_PER_SM),
                         help="comma-separated SCORE_PROGRAMS_PER_SM values (the grid) to sweep")  # fmt: skip
     parser.add_argument("--candidates", default=",".join(":".join(map(str, c)) for c in CANDIDATES),
@@ -96,30 +98,35 @@ def main() -> None:
     x = inputs(args.rows, args.active, args.context, args.budget_ratio)
     head_dim = MODELS[MODEL][2]
     k_bytes = args.active * (args.context - K_DRAFTS - 1) * MODELS[MODEL][1] * head_dim * x["problem"].k_cache.element_size()
-    saved = dict(_attention_tile.LAUNCH_CONFIG), pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK
+    settings = ("SCORE_PROGRAMS_PER_SM", "SCORE_MIN_KEYS_PER_CHUNK", "SCORE_PREFERRED_KEYS_PER_CHUNK")
+    saved = dict(_attention_tile.LAUNCH_CONFIG), [getattr(pillar_select, name) for name in settings]
     results = []
     candidates = [tuple(int(v) for v in c.split(":")) for c in args.candidates.split(",")]
     sweep = [
-        (c, int(keys), int(per_sm))
+        (c, int(per_sm), int(keys), int(preferred))
         for per_sm in args.programs_per_sm.split(",")
         for keys in args.min_keys_per_chunk.split(",")
+        for preferred in args.preferred_keys_per_chunk.split(",")
         for c in candidates
     ]
     for track_best in (False, True):
-        for (block_n, warps, stages), keys, per_sm in sweep:
-            if keys % block_n:
+        for (block_n, warps, stages), *values in sweep:
+            if values[1] % block_n:
                 continue
             config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
             _attention_tile.LAUNCH_CONFIG[("score", head_dim)] = config
-            pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK = per_sm, keys
+            for name, value in zip(settings, values):
+                setattr(pillar_select, name, value)
             scores_ms, refresh_ms = time_config(x, track_best)
+            per_sm, keys, preferred = values
             results.append(dict(track_best=track_best, block_n=block_n, num_warps=warps, num_stages=stages,
-                                min_keys_per_chunk=keys, programs_per_sm=per_sm, scores_ms=scores_ms,
-                                refresh_ms=refresh_ms, k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
+                                min_keys_per_chunk=keys, preferred_keys_per_chunk=preferred, programs_per_sm=per_sm,
+                                scores_ms=scores_ms, refresh_ms=refresh_ms, k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
         _attention_tile.LAUNCH_CONFIG.clear()
         _attention_tile.LAUNCH_CONFIG.update(saved[0])
-        pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK = saved[1:]
+        for name, value in zip(settings, saved[1]):
+            setattr(pillar_select, name, value)
     os.makedirs(args.out, exist_ok=True)
     gpu = "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name()
     meta = dict(gpu=gpu, torch=torch.__version__, **vars(args))
@@ -127,12 +134,12 @@ def main() -> None:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     print(f"\n{MODEL} shape, {args.active} of {args.rows} rows verify {K_DRAFTS + 1} queries over {args.context} keys; "
           f"{meta['gpu']}, torch {meta['torch']}")  # fmt: skip
-    print("| pass | BLOCK_N | warps | stages | least keys / chunk | programs / SM | scoring ms | scoring K GB/s "
-          "| refresh ms (scores + top-B + offsets) |")  # fmt: skip
+    print("| pass | BLOCK_N | warps | stages | least / preferred keys per chunk | programs / SM | scoring ms "
+          "| scoring K GB/s | refresh ms (scores + top-B + offsets) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         name = "with best-key tracking" if r["track_best"] else "PillarAttn"
-        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} | {r['programs_per_sm']} | {r['scores_ms']:.4f} | "
+        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} / {r['preferred_keys_per_chunk']} | {r['programs_per_sm']} | {r['scores_ms']:.4f} | "
               f"{r['k_gb_per_s']:.0f} | {r['refresh_ms']:.4f} |")  # fmt: skip
 
 

@@ -124,10 +124,10 @@ def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
 
     with run_settings("induction_diagonal_fullsplit256_scoregrid2"):
         assert pillar_select.SCORE_PROGRAMS_PER_SM == 2 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 256
-    with run_settings("induction_diagonal_scoregrid8_scorechunk256_unfused"):
-        assert (pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK) == (8, 256)
+    with run_settings("induction_diagonal_scoregrid8_scorechunk128_unfused"):
+        assert (pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_PREFERRED_KEYS_PER_CHUNK) == (8, 128)
         assert attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
-    assert (pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_MIN_KEYS_PER_CHUNK) == (4, 128)
+    assert (pillar_select.SCORE_PROGRAMS_PER_SM, pillar_select.SCORE_PREFERRED_KEYS_PER_CHUNK) == (4, 256)
     assert attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
 
 

@@ -16,7 +16,8 @@ Triton, two kernels, grids fixed by the shapes (no host syncs, CUDA-graph safe):
   program `(p, KV head)` of P takes chunks `p, p + P, ...`: rows with nothing to score (no queries,
   no old keys, a verification that keeps its selection: `selection_refresh_interval`) cost their
   programs nothing, and long rows spread over programs the short ones leave. A chunk holds the
-  keys to score divided by P (at least `SCORE_MIN_KEYS_PER_CHUNK`), computed on the device each launch:
+  keys to score divided by P, doubled up to `SCORE_PREFERRED_KEYS_PER_CHUNK` (so that half the
+  programs still get one) and at least `SCORE_MIN_KEYS_PER_CHUNK`, computed on the device each launch:
   8 verifications of 1K keys spread over 64 programs per KV head, not 16 (a program's few key blocks
   are latency-bound: docs/measurements.md section 20). A row's packed tile (its
   queries x the group's heads) usually fits one `tl.dot` tile, so each K block is read once and
@@ -58,9 +59,13 @@ from hf_sparsespec.kernels.moved_keys import moved_offsets_ref, store_moved_offs
 from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 
 # The scoring pass's grid and chunks (read at each launch; benchmarks set them): programs per SM
-# over the KV heads, and the fewest keys a chunk holds (a multiple of the launch's BLOCK_N).
+# over the KV heads; the fewest keys a chunk holds (rounded up to the launch's BLOCK_N); and the keys a
+# chunk grows to while at least half the programs still get one: a chunk of one key block costs
+# about as much in fixed work (Q, LSE, the best-key atomics) as in keys, so 4 rows of 8K keys score
+# 17 % faster in chunks of 256 than of 128 (docs/measurements.md section 22).
 SCORE_PROGRAMS_PER_SM = 4
 SCORE_MIN_KEYS_PER_CHUNK = 128
+SCORE_PREFERRED_KEYS_PER_CHUNK = 256
 
 
 def pillar_scores_ref(
@@ -144,6 +149,7 @@ def _pillar_scores_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MIN_KEYS_PER_CHUNK: tl.constexpr,  # a multiple of BLOCK_N
+    PREFERRED_KEYS_PER_CHUNK: tl.constexpr,
     ROWS_PAD: tl.constexpr,  # a power of 2 >= num_rows
     INPUT_PRECISION: tl.constexpr,
     TRACK_BEST: tl.constexpr,
@@ -158,9 +164,11 @@ def _pillar_scores_kernel(
         query_start_ptr + rows, mask=row_valid, other=0
     )
     row_old = tl.where(row_q > 0, tl.load(num_old_keys_ptr + rows, mask=row_valid, other=0), 0)
-    # about one chunk per program, in whole key blocks
-    chunk_keys = tl.cdiv(tl.cdiv(tl.sum(row_old, axis=0), tl.num_programs(0)), BLOCK_N) * BLOCK_N
-    chunk_keys = tl.maximum(chunk_keys, MIN_KEYS_PER_CHUNK)
+    # about one chunk per program, or up to PREFERRED_KEYS_PER_CHUNK keys while half the programs keep
+    # one; in whole key blocks
+    per_program = tl.cdiv(tl.sum(row_old, axis=0), tl.num_programs(0))
+    chunk_keys = tl.maximum(per_program, tl.minimum(2 * per_program, PREFERRED_KEYS_PER_CHUNK))
+    chunk_keys = tl.maximum(tl.cdiv(chunk_keys, BLOCK_N) * BLOCK_N, MIN_KEYS_PER_CHUNK)
     row_chunks = tl.cdiv(row_old, chunk_keys)
     chunk_end = tl.cumsum(row_chunks, axis=0)  # (ROWS_PAD,) each row's first chunk number past its own
     chunk_start = chunk_end - row_chunks
@@ -299,6 +307,7 @@ def pillar_scores_into(
         best.stride(0) if best is not None else 0, best.stride(1) if best is not None else 0, scale * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], MIN_KEYS_PER_CHUNK=min_keys,
+        PREFERRED_KEYS_PER_CHUNK=SCORE_PREFERRED_KEYS_PER_CHUNK,
         ROWS_PAD=next_power_of_2(num_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
