@@ -15,7 +15,8 @@ replays (`do_bench`, L2 flushed), and checks every output against the first pair
   skip those);
 - `ar`: every row one query with full attention (the AR mode's plain steps).
 `--mixed-configs` also sweeps the mixed launch's configuration (`BLOCK_N_FULL:BLOCK_N_DRAFT:num_warps:
-num_stages`, the engine's `LAUNCH_CONFIG[("mixed", head_dim)]`; `engine` = the one it uses). Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).
+num_stages`, the engine's `LAUNCH_CONFIG[("mixed", head_dim)]`; `engine` = the one it uses).
+Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).
 
     python benchmarks/bench_attention_splits.py --batches 64,256 --contexts 1024,4096,8192 --kinds mixed,ar
 """

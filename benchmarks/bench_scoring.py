@@ -6,8 +6,8 @@ padded verification rows, the first `--active` of them with k + 1 = 9 queries an
 (the rest padding, as a 256-row unified batch pads ~29 verifications to 32). Per configuration
 (`BLOCK_N`, `num_warps`, `num_stages` of the "score" launch config, `--candidates`), least keys per
 chunk (`--min-keys-per-chunk`), the keys chunks grow to (`--preferred-keys-per-chunk`) and programs
-per SM (`--programs-per-sm`, the grid): the scoring kernel alone and the whole refresh (`update_selection`: scores, top-B into the selected-index store, and the
-moved-key offsets), as medians of CUDA-graph replays (GPU time). The bandwidth column counts the K
+per SM (`--programs-per-sm`, the grid): the scoring kernel alone and the whole refresh
+(`update_selection`: scores, top-B into the selected-index store, and the moved-key offsets), as medians of CUDA-graph replays (GPU time). The bandwidth column counts the K
 bytes the scoring pass must read (each old key of each active row once per KV head). Prints a table
 last; writes JSON to `--out`.
 
@@ -110,15 +110,14 @@ def main() -> None:
         for c in candidates
     ]
     for track_best in (False, True):
-        for (block_n, warps, stages), *values in sweep:
-            if values[1] % block_n:
+        for (block_n, warps, stages), per_sm, keys, preferred in sweep:
+            if keys % block_n:
                 continue
             config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
             _attention_tile.LAUNCH_CONFIG[("score", head_dim)] = config
-            for name, value in zip(settings, values):
+            for name, value in zip(settings, (per_sm, keys, preferred)):
                 setattr(pillar_select, name, value)
             scores_ms, refresh_ms = time_config(x, track_best)
-            per_sm, keys, preferred = values
             results.append(dict(track_best=track_best, block_n=block_n, num_warps=warps, num_stages=stages,
                                 min_keys_per_chunk=keys, preferred_keys_per_chunk=preferred, programs_per_sm=per_sm,
                                 scores_ms=scores_ms, refresh_ms=refresh_ms, k_gb_per_s=k_bytes / scores_ms / 1e6))  # fmt: skip
@@ -139,7 +138,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         name = "with best-key tracking" if r["track_best"] else "PillarAttn"
-        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} / {r['preferred_keys_per_chunk']} | {r['programs_per_sm']} | {r['scores_ms']:.4f} | "
+        print(f"| {name} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['min_keys_per_chunk']} / "
+              f"{r['preferred_keys_per_chunk']} | {r['programs_per_sm']} | {r['scores_ms']:.4f} | "
               f"{r['k_gb_per_s']:.0f} | {r['refresh_ms']:.4f} |")  # fmt: skip
 
 
