@@ -15,9 +15,7 @@ replays (`do_bench`, L2 flushed), and checks every output against the first pair
   skip those);
 - `ar`: every row one query with full attention (the AR mode's plain steps).
 `--mixed-configs` also sweeps the mixed launch's configuration (`BLOCK_N_FULL:BLOCK_N_DRAFT:num_warps:
-num_stages`, the engine's `LAUNCH_CONFIG[("mixed", head_dim)]`; `engine` = the one it uses), and
-`--moved-fences` how the drafts find moved keys in their selection (`sparse_attention.MOVED_KEY_FENCES`:
-fences, 0 = a binary search; runs with moved keys only).
+num_stages`, the engine's `LAUNCH_CONFIG[("mixed", head_dim)]`; `engine` = the one it uses).
 Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).
 
     python benchmarks/bench_attention_splits.py --batches 64,256 --contexts 1024,4096,8192 --kinds mixed,ar
@@ -38,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_kernels  # noqa: E402
 from bench_kernels import HBM_BYTES_PER_S, Problem, bench  # noqa: E402
 
-from hf_sparsespec.kernels import _attention_tile, attention_plan, sparse_attention  # noqa: E402
+from hf_sparsespec.kernels import _attention_tile, attention_plan  # noqa: E402
 from hf_sparsespec.kernels.mixed_attention import mixed_attention  # noqa: E402
 
 
@@ -88,14 +86,12 @@ def mixed_config(spec: str) -> dict[str, int] | None:
 
 def time_splits(
     p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: list[int], num_moved: int, verify_tokens: int = 9,
-    configs: tuple[str, ...] = ("engine",), fences: tuple[int, ...] = (sparse_attention.MOVED_KEY_FENCES,),
+    configs: tuple[str, ...] = ("engine",),
 ) -> list[dict]:  # fmt: skip
     args, kwargs, host, n_full, bytes_to_move = launch(p, kind, num_moved, verify_tokens)
     device = torch.device(bench_kernels.DEV)
     saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)
     saved_configs = dict(_attention_tile.LAUNCH_CONFIG)
-    saved_fences = sparse_attention.MOVED_KEY_FENCES
-    fences = fences if num_moved else fences[:1]
     key = ("mixed", p.head_dim)
     reference = None
     rows = []
@@ -106,9 +102,8 @@ def time_splits(
                 attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT = full_floor, draft_floor
                 plan = attention_plan.plan_attention(*host, group=p.group, num_kv_heads=p.num_kv_heads, device=device,
                                                      num_moved=num_moved)  # fmt: skip
-                for spec, fence_count in ((spec, n) for spec in configs for n in fences):
+                for spec in configs:
                     config = mixed_config(spec)
-                    sparse_attention.MOVED_KEY_FENCES = fence_count
                     _attention_tile.LAUNCH_CONFIG.pop(key, None)
                     _attention_tile.LAUNCH_CONFIG.update({key: config} if config else saved_configs)
                     out, _ = mixed_attention(*args, plan=plan, **kwargs)
@@ -120,8 +115,7 @@ def time_splits(
                         "kind": kind, "batch": p.batch, "context": p.context, "full_rows": n_full,
                         "draft_keys": p.budget, "moved": num_moved, "verify_tokens": verify_tokens if kind == "mixed" else 1,
                         "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
-                        "min_keys_per_split": draft_floor, "mixed_config": spec, "moved_fences": fence_count,
-                        "work_items": plan.num_work, "ms": ms,
+                        "min_keys_per_split": draft_floor, "mixed_config": spec, "work_items": plan.num_work, "ms": ms,
                         "roofline": bytes_to_move / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
                     })  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
@@ -129,7 +123,6 @@ def time_splits(
         attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT = saved
         _attention_tile.LAUNCH_CONFIG.clear()
         _attention_tile.LAUNCH_CONFIG.update(saved_configs)
-        sparse_attention.MOVED_KEY_FENCES = saved_fences
     return rows
 
 
@@ -148,19 +141,16 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="4")
     parser.add_argument("--mixed-configs", default="engine",
                         help="BLOCK_N_FULL:BLOCK_N_DRAFT:num_warps:num_stages launch configs (engine = the engine's)")  # fmt: skip
-    parser.add_argument("--moved-fences", default=str(sparse_attention.MOVED_KEY_FENCES),
-                        help="fences of the drafts' moved-key lookup, one run each (0: a binary search)")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes under TRITON_INTERPRET=1 on the CPU")
     a = parser.parse_args()
     if a.smoke:
         bench_kernels.DEV, bench_kernels.DT = "cpu", torch.float16
         a.batches, a.contexts, a.floors, a.min_budget, a.moved = "10", "200", "128:64,64:64,128:32", 20, "0,6"
-        a.verify_tokens, a.mixed_configs, a.moved_fences = "9,17", "engine,64:64:4:2", "64,0"
+        a.verify_tokens, a.mixed_configs = "9,17", "engine,64:64:4:2"
     floors = [tuple(int(n) for n in f.split(":")) for f in a.floors.split(",")]
     per_sm = [int(n) for n in a.programs_per_sm.split(",")]
     configs = tuple(a.mixed_configs.split(","))
-    fences = tuple(int(n) for n in a.moved_fences.split(","))
     for spec in configs:
         mixed_config(spec)  # bad specs fail before any timing
     rows = []
@@ -171,7 +161,7 @@ def main() -> None:
             for kind in a.kinds.split(","):
                 for verify_tokens in map(int, a.verify_tokens.split(",") if kind == "mixed" else [1]):
                     for num_moved in map(int, a.moved.split(",") if kind == "mixed" else [0]):
-                        rows += time_splits(p, kind, floors, per_sm, num_moved, verify_tokens, configs, fences)
+                        rows += time_splits(p, kind, floors, per_sm, num_moved, verify_tokens, configs)
             del p
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -180,12 +170,11 @@ def main() -> None:
     with open(os.path.join(a.out, "bench_attention_splits.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print("\nkind | batch | context | full rows (tokens each) | draft keys | moved | programs/SM | least keys per full / draft "
-          "split | mixed config | moved fences | items | ms | roofline | err")  # fmt: skip
+          "split | mixed config | items | ms | roofline | err")  # fmt: skip
     for r in rows:
         print(f"{r['kind']} | {r['batch']} | {r['context']} | {r['full_rows']} ({r['verify_tokens']}) | {r['draft_keys']} | "
               f"{r['moved']} | {r['programs_per_sm']} | "
-              f"{r['min_keys_per_full_split']} / {r['min_keys_per_split']} | {r['mixed_config']} | {r['moved_fences']} | "
-              f"{r['work_items']} | "
+              f"{r['min_keys_per_full_split']} / {r['min_keys_per_split']} | {r['mixed_config']} | {r['work_items']} | "
               f"{r['ms']:.4f} | "
               f"{r['roofline']:.1%} | {r['max_err_vs_first']:.2e}")  # fmt: skip
 

@@ -23,9 +23,8 @@ and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft
 plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_fullsplit<n>` appended (full rows' tiles split into pieces of at
 least n keys instead of 1,024: `induction_diagonal_compiled_refresh2_fullsplit512`) and then `_scoregrid<n>`
-(the scoring pass's grid: n programs per SM instead of 4), `_scorechunk<n>` (its chunks grow to n keys
-instead of 256) and `_fences<n>` (the drafts find moved keys in their selection through n fences instead
-of 64; 0: a binary search), and with `_unfused`
+(the scoring pass's grid: n programs per SM instead of 4) and `_scorechunk<n>` (its chunks grow to n keys
+instead of 256), and with `_unfused`
 appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -83,7 +82,7 @@ from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
-from hf_sparsespec.kernels import attention_plan, pillar_select, sparse_attention
+from hf_sparsespec.kernels import attention_plan, pillar_select
 from hf_sparsespec.sampling import LogitsPipeline
 
 HBM_BYTES_PER_S = 4.26e12
@@ -131,13 +130,11 @@ def unfused_sampling(active: bool):
 # Run-name suffixes that set a module constant for one run (no config field), in the order they
 # are appended (before `_unfused`): `_fullsplit<n>` the least keys per split of a full row's tile
 # (verifications, plain steps, prefill; 1,024), `_scoregrid<n>` the scoring pass's programs per SM (4),
-# `_scorechunk<n>` the keys its chunks grow to (256; 128 = the chunks before that rule), `_fences<n>` the
-# fences of the drafts' moved-key lookup (64; 0 = the binary search before it).
+# `_scorechunk<n>` the keys its chunks grow to (256; 128 = the chunks before that rule).
 MODULE_SUFFIXES = (
     ("_fullsplit", attention_plan, "MIN_KEYS_PER_FULL_SPLIT"),
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
-    ("_fences", sparse_attention, "MOVED_KEY_FENCES"),
 )
 
 

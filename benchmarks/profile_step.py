@@ -6,8 +6,8 @@ engine configurations side by side in one process (random weights of a real shap
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --prompt-tokens 8000 --top-k 20 --top-p 0.8 \
         --runs induction_diagonal,induction_diagonal_unfused,induction_diagonal_overlap
 
-Per run (names as in e2e_throughput.py, with its `_k<n>`, `_fullsplit<n>`, `_scoregrid<n>`, `_scorechunk<n>`,
-`_fences<n>` and `_unfused` suffixes; graphs on unless the run turns them off): the engine decodes
+Per run (names as in e2e_throughput.py, with its `_k<n>`, `_fullsplit<n>`, `_scoregrid<n>`, `_scorechunk<n>`
+and `_unfused` suffixes; graphs on unless the run turns them off): the engine decodes
 to a steady state (through the whole chunked prefill, then `--warm-iterations` decode iterations,
 which compile kernels and capture graphs), then `--iterations` iterations are timed (wall time of `step()` and CUDA-event device
 time of each iteration) and, with `--profile`, traced by torch.profiler: the kernels by device time per

@@ -131,18 +131,6 @@ def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     assert attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
 
 
-def test_the_fences_suffix_sets_the_moved_key_lookup_for_its_run_only():
-    from e2e_throughput import run_fields, run_settings
-
-    from hf_sparsespec.kernels import pillar_select, sparse_attention
-
-    assert run_fields("induction_diagonal_compiled_refresh2_fences0", None) == run_fields(
-        "induction_diagonal_compiled_refresh2", None)  # fmt: skip
-    with run_settings("induction_diagonal_compiled_refresh2_scorechunk128_fences0"):
-        assert sparse_attention.MOVED_KEY_FENCES == 0 and pillar_select.SCORE_PREFERRED_KEYS_PER_CHUNK == 128
-    assert sparse_attention.MOVED_KEY_FENCES == 64 and pillar_select.SCORE_PREFERRED_KEYS_PER_CHUNK == 256
-
-
 def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():
     from e2e_throughput import warm_configs
 

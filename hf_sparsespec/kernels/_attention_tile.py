@@ -61,8 +61,7 @@ def _attend_tile(
     INPUT_PRECISION: tl.constexpr,
     MOVED: tl.constexpr = False,
     MOVED_PAD: tl.constexpr = 1,  # a power of 2 >= num_moved
-    SEARCH_STEPS: tl.constexpr = 1,  # binary-search steps over the selection (FENCES = 0)
-    FENCES: tl.constexpr = 0,  # > 0: find moved keys in the selection through this many fences, not a binary search
+    SEARCH_STEPS: tl.constexpr = 1,  # binary-search steps over the selection (bit length of max_budget)
 ):
     """Returns `(out, lse)`: out (BLOCK_M, BLOCK_D) fp32 normalized over this program's keys, lse (BLOCK_M,)
     natural log (-inf where no key was visible)."""
@@ -96,7 +95,7 @@ def _attend_tile(
                     is_moved = n_valid & (entry >= 0) & (entry < num_moved)
                     moved, keep = _moved_positions(
                         moved_ptr, sel_ptr, entry, is_moved, num_sel, num_moved, first_q_pos, recent_start,
-                        MOVED_PAD, SEARCH_STEPS, FENCES,
+                        MOVED_PAD, SEARCH_STEPS,
                     )  # fmt: skip
                     pos = tl.where(is_moved, moved, pos)
                     n_valid = n_valid & (keep | ~is_moved)
@@ -143,10 +142,9 @@ def _moved_positions(
     recent_start,
     MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
-    FENCES: tl.constexpr,
 ):
     """`(positions, keep)` of moved keys: `query_pos + offset`, kept when inside `[0, recent_start)`,
-    not equal to an earlier entry's position and not in the selection."""
+    not equal to an earlier entry's position and not in the selection (a binary search)."""
     pos = query_pos + tl.load(moved_ptr + entry, mask=is_moved, other=-(2**30))
     keep = is_moved & (pos >= 0) & (pos < recent_start)
     others = tl.arange(0, MOVED_PAD)
@@ -154,48 +152,18 @@ def _moved_positions(
     other_ok = (others < num_moved) & (other_pos >= 0) & (other_pos < recent_start)
     earlier = (pos[:, None] == other_pos[None, :]) & other_ok[None, :] & (others[None, :] < entry[:, None])
     keep = keep & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-    if FENCES > 0:
-        found = _in_selection_fenced(sel_ptr, pos, keep, num_sel, FENCES)
-    else:
-        found = _in_selection_bisect(sel_ptr, pos, keep, num_sel, SEARCH_STEPS)
-    keep = keep & ~found
-    return tl.where(keep, pos, 0), keep
-
-
-@triton.jit
-def _in_selection_fenced(sel_ptr, pos, active, num_sel, FENCES: tl.constexpr):
-    """Whether each active `pos` is in the ascending selection, in two dependent loads: the first entry of
-    each of `FENCES` equal buckets (one load, whatever `pos`), then the entries of `pos`'s bucket
-    (16 at a time: one pass while `num_sel <= 16 * FENCES`). A binary search waits on ~log2(num_sel)
-    loads one after another."""
-    width = tl.cdiv(num_sel, FENCES)  # entries per bucket
-    fence = tl.arange(0, FENCES)
-    fence_ok = fence * width < num_sel
-    fence_pos = tl.load(sel_ptr + fence * width, mask=fence_ok, other=0)
-    below = (fence_pos[None, :] <= pos[:, None]) & fence_ok[None, :]
-    bucket = tl.sum(below.to(tl.int32), axis=1) - 1  # the last fence <= pos; -1: pos precedes the selection
-    lane = tl.arange(0, 16)
-    hits = tl.zeros_like(pos)
-    for first in range(0, width, 16):
-        index = bucket[:, None] * width + first + lane[None, :]
-        ok = (active & (bucket >= 0))[:, None] & (first + lane[None, :] < width) & (index < num_sel)
-        value = tl.load(sel_ptr + index, mask=ok, other=-1)
-        hits += tl.sum(((value == pos[:, None]) & ok).to(tl.int32), axis=1)
-    return hits > 0
-
-
-@triton.jit
-def _in_selection_bisect(sel_ptr, pos, active, num_sel, SEARCH_STEPS: tl.constexpr):
-    """Whether each active `pos` is in the ascending selection: a lower-bound binary search."""
+    # lower bound of `pos` in the ascending selection
     lo = tl.zeros_like(pos)
     hi = lo + num_sel
     for _ in tl.static_range(SEARCH_STEPS):
-        running = lo < hi
+        active = lo < hi
         mid = (lo + hi) // 2
-        below = tl.load(sel_ptr + mid, mask=active & running, other=0) < pos
-        lo = tl.where(running & below, mid + 1, lo)
-        hi = tl.where(running & ~below, mid, hi)
-    return tl.load(sel_ptr + lo, mask=active & (lo < num_sel), other=-1) == pos
+        below = tl.load(sel_ptr + mid, mask=keep & active, other=0) < pos
+        lo = tl.where(active & below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    found = tl.load(sel_ptr + lo, mask=keep & (lo < num_sel), other=-1) == pos
+    keep = keep & ~found
+    return tl.where(keep, pos, 0), keep
 
 
 @triton.jit

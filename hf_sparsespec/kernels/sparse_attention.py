@@ -125,7 +125,6 @@ def _draft_item(
     MOVED: tl.constexpr,
     MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
-    FENCES: tl.constexpr,
 ):
     """One work item of a draft row: its query against key indices [key_begin, key_end) of its list."""
     context_len = tl.load(context_lens_ptr + row)
@@ -140,7 +139,7 @@ def _draft_item(
         q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr + row.to(tl.int64) * stride_pt_row, sel_row_ptr,
         moved_row_ptr, stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head,
         token, 1, context_len - 1, kv_head, key_begin, key_end, num_sel, recent_start, num_moved, qk_scale,
-        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION, MOVED, MOVED_PAD, SEARCH_STEPS, FENCES,
+        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION, MOVED, MOVED_PAD, SEARCH_STEPS,
     )  # fmt: skip
     if part_row < 0:
         _store_tile(
@@ -195,7 +194,6 @@ def _sparse_draft_attention_kernel(
     MOVED: tl.constexpr,
     MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
-    FENCES: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -212,7 +210,7 @@ def _sparse_draft_attention_kernel(
             stride_sel_slot, stride_sel_head, stride_off_slot, stride_off_head, num_moved,
             stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
             GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION, MOVED, MOVED_PAD,
-            SEARCH_STEPS, FENCES,
+            SEARCH_STEPS,
         )  # fmt: skip
 
 
@@ -234,18 +232,13 @@ def check_draft_rows(
 
 
 SEARCH_STEPS_FLOOR = 16  # binary-search steps over a selection of up to 65,535 keys (a 1.3M-token context at 5 %)
-# How a draft kernel finds that a moved key is already selected: through this many fences of the ascending
-# selection (two dependent loads while the selection holds <= 16 x FENCES keys), or, at 0, by a binary search
-# (SEARCH_STEPS dependent loads): docs/measurements.md 23.
-MOVED_KEY_FENCES = 64
 
 
 def moved_key_args(offsets: torch.Tensor | None, selected: torch.Tensor, num_kv_heads: int) -> dict:
     """The draft kernels' moved-key arguments: `offsets [num_slots, num_kv_heads, num_moved]` int32
     (checked) or None (no moved keys)."""
     if offsets is None:
-        return dict(ptr=selected, stride_slot=0, stride_head=0, num_moved=0, MOVED=False, MOVED_PAD=1, SEARCH_STEPS=1,
-                    FENCES=0)
+        return dict(ptr=selected, stride_slot=0, stride_head=0, num_moved=0, MOVED=False, MOVED_PAD=1, SEARCH_STEPS=1)
     check_tensor("offsets", offsets, ndim=3, dtypes=(torch.int32,), device=selected.device,
                  shape=(selected.shape[0], num_kv_heads, None))  # fmt: skip
     if offsets.stride(-1) != 1:
@@ -256,8 +249,7 @@ def moved_key_args(offsets: torch.Tensor | None, selected: torch.Tensor, num_kv_
     # H200, in the middle of a timed run: docs/measurements.md 11); steps past lo == hi change nothing
     search_steps = max(SEARCH_STEPS_FLOOR, selected.shape[2].bit_length())
     return dict(ptr=offsets, stride_slot=offsets.stride(0), stride_head=offsets.stride(1), num_moved=num_moved,
-                MOVED=num_moved > 0, MOVED_PAD=triton.next_power_of_2(max(num_moved, 1)), SEARCH_STEPS=search_steps,
-                FENCES=MOVED_KEY_FENCES)
+                MOVED=num_moved > 0, MOVED_PAD=triton.next_power_of_2(max(num_moved, 1)), SEARCH_STEPS=search_steps)
 
 
 def sparse_draft_attention(
@@ -320,7 +312,7 @@ def sparse_draft_attention(
         moved["num_moved"], out.stride(0), out.stride(1), part_lse.stride(0), scale * LOG2E,
         GROUP=group, BLOCK_M=plan.block_m_draft, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
-        MOVED=moved["MOVED"], MOVED_PAD=moved["MOVED_PAD"], SEARCH_STEPS=moved["SEARCH_STEPS"], FENCES=moved["FENCES"],
+        MOVED=moved["MOVED"], MOVED_PAD=moved["MOVED_PAD"], SEARCH_STEPS=moved["SEARCH_STEPS"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if plan.num_merge:

@@ -243,34 +243,6 @@ def test_draft_attention_with_moved_keys_bf16(group, head_dim, page_size):
     assert_attention_close(sparse_draft_attention(*args, offsets=offsets), ref, lowp, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fences", [64, 2, 1, 0], ids=["fences64", "fences2", "fences1", "bisect"])
-def test_every_moved_key_lookup_masks_exactly_the_selected_keys(device, monkeypatch, fences):
-    """Moved keys that repeat a selected key (its first, its last and every fence's entry, and entries
-    beside them) against ones that fall between selected keys: the fenced lookup with one pass over a
-    bucket (64 fences), with several (2 or 1 fence: buckets of 23-45 entries in passes of 16), and the
-    binary search (0) all attend the reference's union."""
-    import hf_sparsespec.kernels.sparse_attention as sparse_attention
-
-    monkeypatch.setattr(sparse_attention, "MOVED_KEY_FENCES", fences)
-    rows = [(97, 90, 20), (160, 150, 45), (40, 33, 0), (200, 190, 64)]
-    args, _ = _draft_case(device, torch.float32, 16, 3, 32, 8, rows=rows, max_budget=64)
-    _, _, _, _, context_lens, recent_start, selected, selection_slot, num_selected, _ = args
-    num_entries = 64
-    offsets = torch.full((selected.shape[0], 2, num_entries), NO_OFFSET, dtype=torch.int32)
-    for row, slot in enumerate(selection_slot.tolist()):
-        q, count, recent = int(context_lens[row]) - 1, int(num_selected[row]), int(recent_start[row])
-        for h in range(2):
-            chosen = selected[slot, h, :count].long().cpu()
-            members = sorted({0, count - 1} | set(range(0, count, max(1, -(-count // 2)))) | set(range(1, count, 7)))
-            members = [i for i in members if 0 <= i < count]
-            outside = sorted(set(range(recent)) - set(chosen.tolist()))[: num_entries - len(members)]
-            targets = torch.tensor([int(chosen[i]) for i in members] + outside, dtype=torch.long)
-            offsets[slot, h, : len(targets)] = (targets[:num_entries] - q).to(torch.int32)
-    offsets = offsets.to(device)
-    ref = sparse_draft_attention_ref(*args, offsets=offsets)
-    torch.testing.assert_close(sparse_draft_attention(*args, offsets=offsets), ref, rtol=1e-4, atol=1e-4)
-
-
 def test_reference_attends_the_deduplicated_union(device):
     """The reference's moved keys are exactly the union of the selection and the in-range moved keys:
     the same as a plain selection holding that union (one head's set per call)."""
