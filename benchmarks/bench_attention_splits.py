@@ -38,6 +38,7 @@ from bench_kernels import HBM_BYTES_PER_S, Problem, bench  # noqa: E402
 
 from hf_sparsespec.kernels import _attention_tile, attention_plan  # noqa: E402
 from hf_sparsespec.kernels.mixed_attention import mixed_attention  # noqa: E402
+from hf_sparsespec.kernels.moved_keys import unique_offsets  # noqa: E402
 
 
 def with_min_budget(p: Problem, min_budget: int) -> None:
@@ -52,12 +53,12 @@ def with_min_budget(p: Problem, min_budget: int) -> None:
 
 def moved_offsets(p: Problem, num_moved: int) -> torch.Tensor:
     """`[rows, KV heads, num_moved]` offsets from each draft query (position context - 1): every other
-    entry a key of the row's selection, the rest random keys below the recent window."""
+    entry a key of the row's selection, the rest random keys below the recent window; repeats dropped."""
     device = p.k_cache.device
     keys = torch.randint(0, p.context - 10, (p.batch, p.num_kv_heads, num_moved), device=device)
     pick = torch.randint(0, p.budget, (p.batch, p.num_kv_heads, num_moved), device=device)
     keys[..., ::2] = p.selected.long().gather(2, pick)[..., ::2]
-    return (keys - (p.context - 1)).to(torch.int32)
+    return unique_offsets((keys - (p.context - 1)).to(torch.int32))  # as the engine's store holds them
 
 
 def launch(p: Problem, kind: str, num_moved: int = 0, verify_tokens: int = 9):

@@ -324,7 +324,7 @@ class ModelRunner:
             offsets = induction_offsets(self.token_buffer, reads, f["single_row_base"].long(),
                                         f["single_recent_start"], store.shape[-1])  # fmt: skip
             slots = torch.div(f["single_row_base"].long(), self.token_buffer.shape[1], rounding_mode="floor")
-            write_induction_offsets(store, slots, offsets)
+            write_induction_offsets(store, slots, offsets, self.cache.moved_offsets[..., : self.verify_moves])
         compiled = self._compiles(shape)
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
         # instead and must see the same ints when replayed as when captured (or it would recompile there)

@@ -76,6 +76,21 @@ def test_store_writes_every_layer_and_head_of_the_slot():
     assert (store[:, [1, 3]] == -1).all()
 
 
+def test_store_drops_the_offsets_the_diagonal_entries_hold():
+    """Per layer and KV head: an induction offset the slot's diagonal list holds already becomes NO_OFFSET
+    (the Triton draft kernels do not look for repeats within a list), the others are written as looked up."""
+    store = torch.full((2, 3, 2, 5), -1, dtype=torch.int32)
+    diagonal, induction = store[..., :2], store[..., 2:]
+    diagonal[0, 1, 0] = torch.tensor([-4, -9], dtype=torch.int32)  # layer 0, slot 1, head 0 holds -4 and -9
+    diagonal[1, 1, 1] = torch.tensor([-7, NO_OFFSET], dtype=torch.int32)
+    write_induction_offsets(induction, torch.tensor([1]), torch.tensor([[-4, -7, -9]], dtype=torch.int32), diagonal)
+    assert induction[0, 1, 0].tolist() == [NO_OFFSET, -7, NO_OFFSET]
+    assert induction[0, 1, 1].tolist() == [-4, -7, -9]
+    assert induction[1, 1, 0].tolist() == [-4, -7, -9]
+    assert induction[1, 1, 1].tolist() == [-4, NO_OFFSET, -9]
+    assert (store[:, [0, 2]] == -1).all() and diagonal[0, 1, 0].tolist() == [-4, -9]
+
+
 K4 = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction", num_induction_keys=4)
 NAIVE_SYNC = SparseSpecConfig(num_draft_tokens=6, min_budget=2, page_size=2, selection="induction", scheduler="naive",
                               delayed_verification=False)  # fmt: skip
@@ -95,9 +110,9 @@ def test_greedy_equals_plain_generate_and_the_lookups_find_keys(config, backend,
     found = []
     original = induction_keys.write_induction_offsets
 
-    def spy(store, slots, offsets):
+    def spy(store, slots, offsets, taken=None):
         found.append(int((offsets != NO_OFFSET).sum()))
-        original(store, slots, offsets)
+        original(store, slots, offsets, taken)
 
     monkeypatch.setattr("hf_sparsespec.runner.write_induction_offsets", spy)
     model = tiny_model("qwen2")
@@ -133,7 +148,8 @@ def test_induction_diagonal_fills_both_parts_of_the_store_and_equals_plain_gener
     widths = []  # of the store views the lookups write: the induction part alone
     original = induction_keys.write_induction_offsets
     monkeypatch.setattr("hf_sparsespec.runner.write_induction_offsets",
-                        lambda store, slots, offsets: widths.append(store.shape[-1]) or original(store, slots, offsets))
+                        lambda store, slots, offsets, taken=None: widths.append(store.shape[-1])
+                        or original(store, slots, offsets, taken))  # fmt: skip
     model = tiny_model("qwen2")
     ids, mask = ragged_batch([9, 14, 5])
     ids[:, -6:] = torch.tensor([3, 4, 5, 3, 4, 5])

@@ -6,7 +6,7 @@ so every query head that reads one KV head shares each K/V block that is loaded 
 9 queries x 6 heads is 54 rows of one 64-row tile). Keys are addressed by *key index*: for full rows
 the index is the position; for draft rows (`SPARSE`) indices `< num_sel` are the selected positions,
 then (`MOVED`, the diagonal selection) `num_moved` moved keys `query position + offset` (masked when
-outside `[0, recent_start)` or duplicates: `moved_keys.py`), and the rest the recent window
+outside `[0, recent_start)` or selected; a list holds each offset once: `moved_keys.py`), and the rest the recent window
 `recent_start + (index - num_sel - num_moved)`. Positions go through the row's page
 table (`page_table[row, pos // PAGE_SIZE]`, offset `pos % PAGE_SIZE`) in int64.
 
@@ -60,7 +60,6 @@ def _attend_tile(
     SPARSE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     MOVED: tl.constexpr = False,
-    MOVED_PAD: tl.constexpr = 1,  # a power of 2 >= num_moved
     SEARCH_STEPS: tl.constexpr = 1,  # binary-search steps over the selection (bit length of max_budget)
 ):
     """Returns `(out, lse)`: out (BLOCK_M, BLOCK_D) fp32 normalized over this program's keys, lse (BLOCK_M,)
@@ -94,8 +93,7 @@ def _attend_tile(
                     entry = key - num_sel
                     is_moved = n_valid & (entry >= 0) & (entry < num_moved)
                     moved, keep = _moved_positions(
-                        moved_ptr, sel_ptr, entry, is_moved, num_sel, num_moved, first_q_pos, recent_start,
-                        MOVED_PAD, SEARCH_STEPS,
+                        moved_ptr, sel_ptr, entry, is_moved, num_sel, first_q_pos, recent_start, SEARCH_STEPS,
                     )  # fmt: skip
                     pos = tl.where(is_moved, moved, pos)
                     n_valid = n_valid & (keep | ~is_moved)
@@ -132,26 +130,20 @@ def _attend_tile(
 
 @triton.jit
 def _moved_positions(
-    moved_ptr,  # [num_moved] int32 offsets
+    moved_ptr,  # [num_moved] int32 offsets, each at most once (NO_OFFSET aside: `moved_keys.unique_offsets`)
     sel_ptr,  # [num_sel] int32, ascending positions
     entry,  # (BLOCK_N,) entry of each key index in the moved list (read where `is_moved`)
     is_moved,  # (BLOCK_N,) bool
     num_sel,
-    num_moved,
     query_pos,
     recent_start,
-    MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
-    """`(positions, keep)` of moved keys: `query_pos + offset`, kept when inside `[0, recent_start)`,
-    not equal to an earlier entry's position and not in the selection (a binary search)."""
+    """`(positions, keep)` of moved keys: `query_pos + offset`, kept when inside `[0, recent_start)` and
+    not in the selection (a binary search). The list's writers dropped repeated offsets: comparing every
+    entry with every earlier one here cost more than the rest of the moved keys (docs/measurements.md 23)."""
     pos = query_pos + tl.load(moved_ptr + entry, mask=is_moved, other=-(2**30))
     keep = is_moved & (pos >= 0) & (pos < recent_start)
-    others = tl.arange(0, MOVED_PAD)
-    other_pos = query_pos + tl.load(moved_ptr + others, mask=others < num_moved, other=-(2**30))
-    other_ok = (others < num_moved) & (other_pos >= 0) & (other_pos < recent_start)
-    earlier = (pos[:, None] == other_pos[None, :]) & other_ok[None, :] & (others[None, :] < entry[:, None])
-    keep = keep & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
     # lower bound of `pos` in the ascending selection
     lo = tl.zeros_like(pos)
     hi = lo + num_sel

@@ -144,7 +144,7 @@ def plan_work_lists(
     lengths / selected counts / recent starts; rows `[0, num_full_rows)` attend fully and causally, the
     rest are one-query draft rows. `capacity`: pad both lists to its sizes with no-op entries (and
     check the bounds). `num_moved`: moved-key entries every draft row attends besides its selection
-    (the diagonal selection; the kernel masks the ones that fall outside or repeat). The floors default
+    (the diagonal selection; the kernel masks the ones that fall outside or are selected). The floors default
     to the module constants as they are at the call (benchmarks set them).
     """
     min_keys_per_split = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else min_keys_per_split

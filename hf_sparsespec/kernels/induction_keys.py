@@ -12,7 +12,9 @@ selection.
 They travel as moved-key offsets `j + 1 - q` in the same store as the `"diagonal"` selection's
 (`moved_keys.py`), written for every draft row before each iteration's forward, so the draft attention
 (torch reference and Triton alike) attends them, deduplicated against the selection, with no kernel
-of their own. The lookup is a handful of vectorised torch ops over the rows' token histories: on the
+of their own. Written after the diagonal selection's entries, they drop the offsets those hold
+(`unique_offsets`: the Triton draft kernels do not look for repeats within a list). The lookup is a
+handful of vectorised torch ops over the rows' token histories: on the
 device, with shapes fixed per bucket (CUDA-graph safe), after the speculative rows' positions were
 shifted on the device.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_sparsespec.kernels.moved_keys import NO_OFFSET
+from hf_sparsespec.kernels.moved_keys import NO_OFFSET, unique_offsets
 
 
 def induction_offsets(
@@ -58,9 +60,13 @@ def write_induction_offsets(
     store: torch.Tensor,  # [num_layers, num_slots, num_kv_heads, num_entries] int32, written in place
     slots: torch.Tensor,  # [num_rows] long, the slot each row's offsets go to
     offsets: torch.Tensor,  # [num_rows, num_entries] int32
+    taken: torch.Tensor | None = None,  # [num_layers, num_slots, num_kv_heads, num_taken] int32: the diagonal's
 ) -> None:
     """Every layer's and KV head's entries of `slots[r]` := `offsets[r]` (the lookup is the same for
-    all of them). Rows sharing a slot (padding rows, the dummy slot) write it in an undefined order."""
+    all of them), `NO_OFFSET` where `taken`'s list of that layer, slot and head holds the offset
+    already. Rows sharing a slot (padding rows, the dummy slot) write it in an undefined order."""
     num_layers, _, num_kv_heads, num_entries = store.shape
     values = offsets[None, :, None, :].expand(num_layers, -1, num_kv_heads, num_entries)
+    if taken is not None and taken.shape[-1]:
+        values = unique_offsets(values, taken.index_select(1, slots))
     store.index_copy_(1, slots, values.contiguous())

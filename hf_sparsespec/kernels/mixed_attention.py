@@ -124,7 +124,6 @@ def _mixed_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     MOVED: tl.constexpr,
-    MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
@@ -152,7 +151,7 @@ def _mixed_attention_kernel(
                 stride_sel_slot, stride_sel_head, stride_off_slot, stride_off_head, num_moved,
                 stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
                 GROUP, BLOCK_M_DRAFT, BLOCK_N_DRAFT, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION,
-                MOVED, MOVED_PAD, SEARCH_STEPS,
+                MOVED, SEARCH_STEPS,
             )  # fmt: skip
 
 
@@ -220,7 +219,7 @@ def mixed_attention(
         GROUP=group, BLOCK_M_FULL=plan.block_m_full, BLOCK_N_FULL=config["BLOCK_N_FULL"],
         BLOCK_M_DRAFT=plan.block_m_draft, BLOCK_N_DRAFT=config["BLOCK_N_DRAFT"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
-        MOVED=moved["MOVED"], MOVED_PAD=moved["MOVED_PAD"], SEARCH_STEPS=moved["SEARCH_STEPS"],
+        MOVED=moved["MOVED"], SEARCH_STEPS=moved["SEARCH_STEPS"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     merge_splits(plan, part_out, part_lse, out, lse)

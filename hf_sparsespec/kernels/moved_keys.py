@@ -19,6 +19,11 @@ Draft side (`sparse_attention`): a draft query at position `q` also attends `q +
 entry with `0 <= q + offset < recent_start` (later keys are in the recent window anyway), except an
 entry whose key equals an earlier entry's or one of the PillarAttn selection's (deduplicated: a key
 attended twice would get twice its weight). `NO_OFFSET` is far enough below 0 that it never passes.
+Equal offsets are equal keys whatever the query, so the writers drop repeats once per list
+(`unique_offsets`: `store_moved_offsets` within the diagonal's entries, `write_induction_offsets`
+against them), and the Triton draft kernels only look for the selection's keys (an in-kernel
+comparison of every entry with every earlier one cost ~10-17 us of a 20-70 us layer on the H200:
+docs/measurements.md 23). The references deduplicate both ways, whatever the store holds.
 
 Store: `offsets [num_layers, num_slots, num_kv_heads, (k + 1) x group]` int32 in the cache, next to
 `selected`; written by each layer's verifications, read by the next cycle's drafts.
@@ -63,7 +68,18 @@ def moved_offsets_ref(
         best = torch.einsum("qhgd,khd->hqgk", q, k).mul(scale).argmax(dim=-1)  # [kvh, q, g]
         position = n_old + torch.arange(num_q, device=query.device)[None, :, None]
         offsets[row, :, : num_q * group] = (best - position).reshape(num_kv_heads, -1).to(torch.int32)
-    return offsets
+    return unique_offsets(offsets)
+
+
+def unique_offsets(offsets: torch.Tensor, taken: torch.Tensor | None = None) -> torch.Tensor:
+    """`offsets [..., num_entries]` with `NO_OFFSET` for every entry that repeats an earlier entry of its list,
+    or (given `taken [..., num_taken]`, lists of the same leading shape) an entry of `taken`'s list."""
+    num_entries = offsets.shape[-1]
+    earlier = torch.ones(num_entries, num_entries, dtype=torch.bool, device=offsets.device).tril(-1)  # [e, l]: l < e
+    repeat = ((offsets[..., :, None] == offsets[..., None, :]) & earlier).any(dim=-1)
+    if taken is not None and taken.shape[-1]:
+        repeat = repeat | (offsets[..., :, None] == taken[..., None, :]).any(dim=-1)
+    return torch.where(repeat, NO_OFFSET, offsets)
 
 
 def moved_positions_ref(
@@ -107,14 +123,16 @@ def _store_moved_offsets_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     best_row_ptr = best_ptr + layer * stride_best_layer + row.to(tl.int64) * stride_best_row + kv_head * stride_best_head
     off_row_ptr = offsets_ptr + layer * stride_off_layer + slot * stride_off_slot + kv_head * stride_off_head
-    for start in range(0, num_entries, BLOCK):
-        entry = start + tl.arange(0, BLOCK)
-        valid = entry < num_entries
-        packed = tl.load(best_row_ptr + entry, mask=valid, other=0)
-        key = 0x7FFFFFFF - (packed & 0xFFFFFFFF)
-        offset = tl.where(packed > 0, key - (num_old + entry // GROUP), -(2**30))
-        tl.store(off_row_ptr + entry, offset.to(tl.int32), mask=valid)
-        tl.store(best_row_ptr + entry, tl.zeros([BLOCK], tl.int64), mask=valid)  # ready for the next use
+    entry = tl.arange(0, BLOCK)  # the whole list in one block (BLOCK >= num_entries)
+    valid = entry < num_entries
+    packed = tl.load(best_row_ptr + entry, mask=valid, other=0)
+    key = 0x7FFFFFFF - (packed & 0xFFFFFFFF)
+    offset = tl.where(packed > 0, key - (num_old + entry // GROUP), -(2**30))
+    # an entry repeating an earlier one's offset moves no key (the draft kernels do not look for repeats)
+    repeat = (offset[:, None] == offset[None, :]) & (entry[None, :] < entry[:, None])
+    offset = tl.where(tl.sum(repeat.to(tl.int32), axis=1) > 0, -(2**30), offset)
+    tl.store(off_row_ptr + entry, offset.to(tl.int32), mask=valid)
+    tl.store(best_row_ptr + entry, tl.zeros([BLOCK], tl.int64), mask=valid)  # ready for the next use
 
 
 def store_moved_offsets(
@@ -125,7 +143,7 @@ def store_moved_offsets(
     group: int,
 ) -> None:
     """Triton: `offsets[slots[r]]` from the scoring pass's packed best keys of row r (`NO_OFFSET` where
-    none), then `best` back to zeros. With a leading layer dimension on `best` and `offsets`, every
+    none, and for an entry repeating an earlier one: `unique_offsets`), then `best` back to zeros. With a leading layer dimension on `best` and `offsets`, every
     layer at once. Grid `(num_rows, num_kv_heads, num_layers)`: shapes only."""
     device = best.device
     if best.ndim == 3:
@@ -143,5 +161,5 @@ def store_moved_offsets(
     _store_moved_offsets_kernel[(num_rows, num_kv_heads, num_layers)](
         best, num_old_keys, slots, offsets, num_entries,
         best.stride(0), best.stride(1), best.stride(2), offsets.stride(0), offsets.stride(1), offsets.stride(2),
-        GROUP=group, BLOCK=min(128, triton.next_power_of_2(num_entries)), num_warps=1,
+        GROUP=group, BLOCK=triton.next_power_of_2(num_entries), num_warps=1,
     )  # fmt: skip

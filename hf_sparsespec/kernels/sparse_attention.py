@@ -123,7 +123,6 @@ def _draft_item(
     STORE_LSE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     MOVED: tl.constexpr,
-    MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     """One work item of a draft row: its query against key indices [key_begin, key_end) of its list."""
@@ -139,7 +138,7 @@ def _draft_item(
         q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr + row.to(tl.int64) * stride_pt_row, sel_row_ptr,
         moved_row_ptr, stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head,
         token, 1, context_len - 1, kv_head, key_begin, key_end, num_sel, recent_start, num_moved, qk_scale,
-        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION, MOVED, MOVED_PAD, SEARCH_STEPS,
+        GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION, MOVED, SEARCH_STEPS,
     )  # fmt: skip
     if part_row < 0:
         _store_tile(
@@ -192,7 +191,6 @@ def _sparse_draft_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     MOVED: tl.constexpr,
-    MOVED_PAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
@@ -209,8 +207,7 @@ def _sparse_draft_attention_kernel(
             stride_q_tok, stride_q_head, stride_cache_page, stride_cache_slot, stride_cache_head, stride_pt_row,
             stride_sel_slot, stride_sel_head, stride_off_slot, stride_off_head, num_moved,
             stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
-            GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION, MOVED, MOVED_PAD,
-            SEARCH_STEPS,
+            GROUP, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False, INPUT_PRECISION, MOVED, SEARCH_STEPS,
         )  # fmt: skip
 
 
@@ -238,7 +235,7 @@ def moved_key_args(offsets: torch.Tensor | None, selected: torch.Tensor, num_kv_
     """The draft kernels' moved-key arguments: `offsets [num_slots, num_kv_heads, num_moved]` int32
     (checked) or None (no moved keys)."""
     if offsets is None:
-        return dict(ptr=selected, stride_slot=0, stride_head=0, num_moved=0, MOVED=False, MOVED_PAD=1, SEARCH_STEPS=1)
+        return dict(ptr=selected, stride_slot=0, stride_head=0, num_moved=0, MOVED=False, SEARCH_STEPS=1)
     check_tensor("offsets", offsets, ndim=3, dtypes=(torch.int32,), device=selected.device,
                  shape=(selected.shape[0], num_kv_heads, None))  # fmt: skip
     if offsets.stride(-1) != 1:
@@ -249,7 +246,7 @@ def moved_key_args(offsets: torch.Tensor | None, selected: torch.Tensor, num_kv_
     # H200, in the middle of a timed run: docs/measurements.md 11); steps past lo == hi change nothing
     search_steps = max(SEARCH_STEPS_FLOOR, selected.shape[2].bit_length())
     return dict(ptr=offsets, stride_slot=offsets.stride(0), stride_head=offsets.stride(1), num_moved=num_moved,
-                MOVED=num_moved > 0, MOVED_PAD=triton.next_power_of_2(max(num_moved, 1)), SEARCH_STEPS=search_steps)
+                MOVED=num_moved > 0, SEARCH_STEPS=search_steps)
 
 
 def sparse_draft_attention(
@@ -312,7 +309,7 @@ def sparse_draft_attention(
         moved["num_moved"], out.stride(0), out.stride(1), part_lse.stride(0), scale * LOG2E,
         GROUP=group, BLOCK_M=plan.block_m_draft, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
-        MOVED=moved["MOVED"], MOVED_PAD=moved["MOVED_PAD"], SEARCH_STEPS=moved["SEARCH_STEPS"],
+        MOVED=moved["MOVED"], SEARCH_STEPS=moved["SEARCH_STEPS"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if plan.num_merge:

@@ -20,7 +20,7 @@ from kernel_cases import (  # noqa: F401
 from hf_sparsespec.kernels.attention_plan import plan_attention
 from hf_sparsespec.kernels.backend import TorchBackend
 from hf_sparsespec.kernels.mixed_attention import mixed_attention, mixed_attention_ref
-from hf_sparsespec.kernels.moved_keys import NO_OFFSET, moved_offsets_ref, moved_positions_ref
+from hf_sparsespec.kernels.moved_keys import NO_OFFSET, moved_offsets_ref, moved_positions_ref, unique_offsets
 from hf_sparsespec.kernels.paged_attention import paged_attention_ref
 from hf_sparsespec.kernels.sparse_attention import sparse_draft_attention, sparse_draft_attention_ref
 from hf_sparsespec.kernels.triton_backend import TritonBackend
@@ -123,7 +123,8 @@ def test_moved_offsets_match_reference(device, dtype, case, page_size, group, he
 
 def test_moved_offsets_point_at_the_diagonal(device):
     """A copy head: every verification query's key equals the key `period` positions earlier, so its
-    best old key is p - period and the offset is -period for every (query, head)."""
+    best old key is p - period and the offset is -period for every (query, head): the list's first entry
+    holds it, its repeats move no key (`unique_offsets`)."""
     period, context, q_len, head_dim = 20, 35, 5, 16
     k_cache, _, page_table = make_paged_kv([context], 4, 1, head_dim, torch.float32, device)
     positions = torch.arange(context)
@@ -134,7 +135,7 @@ def test_moved_offsets_point_at_the_diagonal(device):
     query = (keys[context - q_len :].repeat(1, 2, 1) * 8.0).contiguous()  # q = 8 k: attends its own copy
     args = (query, k_cache, page_table, i32([0, q_len], device), i32([context - q_len], device), q_len * 2, 0.25)
     offsets = moved_offsets_ref(*args)
-    assert (offsets == -period).all()
+    assert (offsets[..., 0] == -period).all() and (offsets[..., 1:] == NO_OFFSET).all()
 
 
 # Draft rows (context_len, recent_start, num_selected) and their offset lists: in-range keys, keys in
@@ -218,8 +219,9 @@ def test_draft_attention_with_moved_keys_matches_reference(device, dtype, page_s
         num_kv_heads=2, device=device, min_keys_per_split=8, target_programs=16, num_moved=num_entries,
     )  # fmt: skip
     assert tiny_splits.num_merge > 0
-    for plan in (None, tiny_splits):
-        assert_attention_close(sparse_draft_attention(*args, plan=plan, offsets=offsets), ref, lowp, dtype)
+    for plan in (None, tiny_splits):  # the kernel's lists hold each offset once, as the store's writers leave them
+        assert_attention_close(sparse_draft_attention(*args, plan=plan, offsets=unique_offsets(offsets)), ref, lowp,
+                               dtype)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -240,7 +242,7 @@ def test_draft_attention_with_moved_keys_bf16(group, head_dim, page_size):
             one[6], one[8] = merged, i32([counts[row][h]] * ref.shape[0], "cuda")
             heads = slice(h * group, (h + 1) * group)
             lowp[row, heads] = sparse_attention_lowp(*one)[row, heads]
-    assert_attention_close(sparse_draft_attention(*args, offsets=offsets), ref, lowp, torch.bfloat16)
+    assert_attention_close(sparse_draft_attention(*args, offsets=unique_offsets(offsets)), ref, lowp, torch.bfloat16)
 
 
 def test_reference_attends_the_deduplicated_union(device):
@@ -255,6 +257,33 @@ def test_reference_attends_the_deduplicated_union(device):
             one[6], one[8] = merged, i32([counts[row][h]] * ref.shape[0], device)
             heads = slice(h * 3, (h + 1) * 3)
             torch.testing.assert_close(sparse_draft_attention_ref(*one)[row, heads], ref[row, heads])
+
+
+def test_unique_offsets_drop_repeats_and_the_taken_ones():
+    offsets = torch.tensor([[[3, -2, 3, NO_OFFSET, NO_OFFSET, -2, 7]]], dtype=torch.int32)
+    assert unique_offsets(offsets).tolist() == [[[3, -2, NO_OFFSET, NO_OFFSET, NO_OFFSET, NO_OFFSET, 7]]]
+    taken = torch.tensor([[[7, 5]]], dtype=torch.int32)
+    assert unique_offsets(offsets, taken).tolist() == [[[3, -2, NO_OFFSET, NO_OFFSET, NO_OFFSET, NO_OFFSET, NO_OFFSET]]]
+
+
+def test_stored_offsets_hold_each_offset_once(device):
+    """`store_moved_offsets` drops an entry whose offset an earlier entry of its list holds (queries i and
+    i + 1 whose best keys are j and j + 1: the diagonal), as `unique_offsets` does to the reference's."""
+    from hf_sparsespec.kernels.moved_keys import store_moved_offsets
+
+    group, num_entries, num_old = 2, 8, 50
+    keys = torch.tensor([[10, 30, 11, 31, 12, 20, 40, 40], [5, 5, 6, 6, 7, 7, 49, 0]])  # [KV heads, entries]
+    best = ((torch.ones_like(keys) << 32) | (2**31 - 1 - keys))[None].to(device)  # [rows 1, KV heads, entries]
+    best[0, 1, 7] = 0  # no best key: NO_OFFSET
+    offsets = torch.full((3, 2, num_entries), -1, dtype=torch.int32, device=device)
+    store_moved_offsets(best, torch.tensor([num_old], dtype=torch.int32, device=device), offsets,
+                        torch.tensor([2], device=device), group)  # fmt: skip
+    positions = num_old + torch.arange(num_entries) // group
+    raw = torch.where(torch.arange(num_entries) == 7, torch.tensor([[0], [NO_OFFSET]]), keys - positions)
+    raw[0, 7] = keys[0, 7] - positions[7]
+    assert offsets[2].cpu().tolist() == unique_offsets(raw.to(torch.int32)).tolist()
+    assert offsets[2, 0].cpu().tolist() == [-40, -20, NO_OFFSET, NO_OFFSET, NO_OFFSET, -32, -13, NO_OFFSET]
+    assert (offsets[:2] == -1).all() and (best == 0).all()
 
 
 def test_moved_positions_mask_duplicates_and_out_of_range():
@@ -311,7 +340,7 @@ def test_mixed_attention_with_moved_keys_matches_reference(device, dtype):
                                  device=device, min_keys_per_split=16, target_programs=24, num_moved=num_entries)  # fmt: skip
     tol = torch.float32 if dtype == torch.float32 else torch.float16
     for plan in (None, tiny_splits):
-        out, lse = mixed_attention(*args, plan=plan, offsets=offsets)
+        out, lse = mixed_attention(*args, plan=plan, offsets=unique_offsets(offsets))
         assert not out.isnan().any()
         # fp16: the reference's own fp16 rounding bound is not built for mixed batches; the table's atol
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-3 if tol == torch.float32 else 1e-2,
