@@ -24,7 +24,8 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	# one pytest worker per core (pytest-xdist); each worker runs torch on one thread (tests/conftest.py)
+	$(PY) -m pytest -q -n auto
 
 lint: $(STAMP)
 	$(PY) -m ruff check hf_sparsespec tests examples benchmarks

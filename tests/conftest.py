@@ -1,4 +1,5 @@
-"""Shared test set-up: the Triton interpreter on CPU-only machines, seeds, and the one tolerance table.
+"""Shared test set-up: the Triton interpreter on CPU-only machines, one torch thread per pytest-xdist worker,
+seeds, and the one tolerance table.
 
 `TRITON_INTERPRET=1` must be in the environment before any Triton kernel module is imported, so it is
 set here, at collection, whenever no CUDA device is present.
@@ -12,6 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one torch thread each
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
