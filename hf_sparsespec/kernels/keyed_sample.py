@@ -35,6 +35,7 @@ _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _POSITION_SALT = 0x9E3779B9
 SAMPLE_PROGRAMS_PER_SM = 8  # keyed_sample splits each row's vocabulary until rows x splits reach this per SM
+UNIFORM_BLOCK = 1024  # keys per program of keyed_uniform, whatever their number (one compiled variant)
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -174,7 +175,7 @@ def _position_keys_kernel(
     tl.store(keys_ptr + row * 2 + 1, _hash32(lo ^ _hash32(position ^ salt)).to(tl.int64), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _keyed_uniform_kernel(
     keys_ptr,  # [n, 2] int32/int64 (key_hi, key_lo)
     out_ptr,  # [n] float32
@@ -221,9 +222,8 @@ def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
     flat = _rows_of_pairs("keys", keys)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=keys.device)
     n = flat.shape[0]
-    if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _keyed_uniform_kernel[(triton.cdiv(n, block),)](flat, out, n, flat.stride(0), BLOCK=block)
+    if n:  # one compiled variant whatever n (a batch's tail draws ever fewer: each new size compiled again)
+        _keyed_uniform_kernel[(triton.cdiv(n, UNIFORM_BLOCK),)](flat, out, n, flat.stride(0), BLOCK=UNIFORM_BLOCK)
     return out.view(*keys.shape[:-1])
 
 

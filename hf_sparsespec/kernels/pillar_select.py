@@ -66,6 +66,11 @@ from hf_sparsespec.kernels.top_keys import select_top_keys, select_top_keys_into
 SCORE_PROGRAMS_PER_SM = 4
 SCORE_MIN_KEYS_PER_CHUNK = 128
 SCORE_PREFERRED_KEYS_PER_CHUNK = 256
+# The fewest rows the scoring kernel's prefix sum over the rows is padded to: launches of up to this many
+# verifications share one compiled variant. A batch's tail shrinks through ever fewer verifications, and
+# each new power of 2 (or a single row, which Triton specializes) compiled the kernel again in the middle
+# of decoding (0.9 s at iteration 8,752 of 8,907 at 256 x 8192: docs/measurements.md 23).
+SCORE_MIN_ROWS_PAD = 32
 
 
 def pillar_scores_ref(
@@ -118,7 +123,7 @@ def pillar_select_ref(
     return select_top_keys(scores, budgets, max_budget)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _pillar_scores_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -308,9 +313,14 @@ def pillar_scores_into(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], MIN_KEYS_PER_CHUNK=min_keys,
         PREFERRED_KEYS_PER_CHUNK=SCORE_PREFERRED_KEYS_PER_CHUNK,
-        ROWS_PAD=next_power_of_2(num_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
+        ROWS_PAD=score_rows_pad(num_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
+
+
+def score_rows_pad(num_rows: int) -> int:
+    """The scoring kernel's `ROWS_PAD` (a compile-time constant) for `num_rows` verifications."""
+    return max(SCORE_MIN_ROWS_PAD, next_power_of_2(num_rows))
 
 
 def pillar_scores(

@@ -93,3 +93,12 @@ def test_pillar_select_matches_reference_sets(device, page_size, group):
     actual = pillar_select(*args)
     assert torch.equal(actual, expected)
     assert (actual[2, :, 3:] == -1).all() and (actual[0, :, :20] >= 0).all()
+
+
+def test_the_scoring_kernel_pads_a_shrinking_tail_to_one_variant():
+    """`ROWS_PAD` is a compile-time constant: every launch of up to `SCORE_MIN_ROWS_PAD` verifications
+    (a batch's tail) shares one compiled kernel; above it, one per power of 2."""
+    from hf_sparsespec.kernels.pillar_select import SCORE_MIN_ROWS_PAD, score_rows_pad
+
+    assert {score_rows_pad(n) for n in range(1, SCORE_MIN_ROWS_PAD + 1)} == {SCORE_MIN_ROWS_PAD}
+    assert score_rows_pad(SCORE_MIN_ROWS_PAD + 1) == 2 * SCORE_MIN_ROWS_PAD and score_rows_pad(100) == 128
