@@ -6,8 +6,8 @@ so every query head that reads one KV head shares each K/V block that is loaded 
 9 queries x 6 heads is 54 rows of one 64-row tile). Keys are addressed by *key index*: for full rows
 the index is the position; for draft rows (`SPARSE`) indices `< num_sel` are the selected positions,
 then (`MOVED`, the diagonal selection) `num_moved` moved keys `query position + offset` (masked when
-outside `[0, recent_start)` or selected; a list holds each offset once: `moved_keys.py`), and the rest the recent window
-`recent_start + (index - num_sel - num_moved)`. Positions go through the row's page
+outside `[0, recent_start)` or selected; a list holds each offset once: `moved_keys.py`), and the
+rest the recent window `recent_start + (index - num_sel - num_moved)`. Positions go through the row's page
 table (`page_table[row, pos // PAGE_SIZE]`, offset `pos % PAGE_SIZE`) in int64.
 
 Softmax runs online in base 2 (`qk_scale` already holds `log2(e)`); the LSE leaves in natural log.

@@ -143,8 +143,9 @@ def store_moved_offsets(
     group: int,
 ) -> None:
     """Triton: `offsets[slots[r]]` from the scoring pass's packed best keys of row r (`NO_OFFSET` where
-    none, and for an entry repeating an earlier one: `unique_offsets`), then `best` back to zeros. With a leading layer dimension on `best` and `offsets`, every
-    layer at once. Grid `(num_rows, num_kv_heads, num_layers)`: shapes only."""
+    none, and for an entry repeating an earlier one: `unique_offsets`), then `best` back to zeros. With
+    a leading layer dimension on `best` and `offsets`, every layer at once. Grid `(num_rows,
+    num_kv_heads, num_layers)`: shapes only."""
     device = best.device
     if best.ndim == 3:
         best, offsets = best[None], offsets[None]
@@ -158,8 +159,9 @@ def store_moved_offsets(
         raise ValueError("best and offsets: expected unit-stride last dimensions")
     if num_rows == 0 or num_entries == 0 or num_layers == 0:
         return
+    block = triton.next_power_of_2(num_entries)
     _store_moved_offsets_kernel[(num_rows, num_kv_heads, num_layers)](
         best, num_old_keys, slots, offsets, num_entries,
         best.stride(0), best.stride(1), best.stride(2), offsets.stride(0), offsets.stride(1), offsets.stride(2),
-        GROUP=group, BLOCK=triton.next_power_of_2(num_entries), num_warps=1,
+        GROUP=group, BLOCK=block, num_warps=1 if block <= 64 else 4,  # the repeat check compares block x block
     )  # fmt: skip
