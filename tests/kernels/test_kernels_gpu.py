@@ -155,7 +155,6 @@ def test_store_kv_bf16(page_size, kvh, head_dim):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-
 def test_a_shrinking_tail_compiles_no_scoring_or_uniform_kernel_again():
     """A batch's tail launches the scoring pass over ever fewer verifications and draws ever fewer
     uniforms: after one launch of each, fewer rows (a single one too, which Triton would specialize)

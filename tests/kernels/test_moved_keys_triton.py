@@ -278,9 +278,8 @@ def test_stored_offsets_hold_each_offset_once(device):
     offsets = torch.full((3, 2, num_entries), -1, dtype=torch.int32, device=device)
     store_moved_offsets(best, torch.tensor([num_old], dtype=torch.int32, device=device), offsets,
                         torch.tensor([2], device=device), group)  # fmt: skip
-    positions = num_old + torch.arange(num_entries) // group
-    raw = torch.where(torch.arange(num_entries) == 7, torch.tensor([[0], [NO_OFFSET]]), keys - positions)
-    raw[0, 7] = keys[0, 7] - positions[7]
+    raw = keys - (num_old + torch.arange(num_entries) // group)  # key - the query's position
+    raw[1, 7] = NO_OFFSET
     assert offsets[2].cpu().tolist() == unique_offsets(raw.to(torch.int32)).tolist()
     assert offsets[2, 0].cpu().tolist() == [-40, -20, NO_OFFSET, NO_OFFSET, NO_OFFSET, -32, -13, NO_OFFSET]
     assert (offsets[:2] == -1).all() and (best == 0).all()
