@@ -93,11 +93,9 @@ def moved_positions_ref(
     entry, or of a selected key)."""
     positions = query_position + offsets.long()
     valid = (positions >= 0) & (positions < recent_start)
-    num_entries = positions.shape[1]
-    earlier = torch.ones(num_entries, num_entries, dtype=torch.bool, device=positions.device).tril(-1)  # [e, l]: l < e
-    same = (positions[:, :, None] == positions[:, None, :]) & valid[:, None, :] & earlier
+    first = unique_offsets(offsets) == offsets  # equal offsets, equal keys: False where an earlier entry has it
     in_selection = (positions[:, :, None] == selected.long()[:, None, :]).any(dim=-1)
-    return torch.where(valid, positions, 0), valid & ~same.any(dim=-1) & ~in_selection
+    return torch.where(valid, positions, 0), valid & first & ~in_selection
 
 
 @triton.jit
