@@ -1,7 +1,9 @@
 """How finely the unified attention launch should split its rows' keys, by batch and context.
 
 `attention_plan` cuts every row's keys into work items of about `total keys / items` keys, but never
-fewer than a floor (`MIN_KEYS_PER_FULL_SPLIT` for full rows, `MIN_KEYS_PER_SPLIT` for the drafts). At
+fewer than a floor (`MIN_KEYS_PER_FULL_SPLIT` for one-query full rows, `MIN_KEYS_PER_VERIFY_SPLIT` for
+full rows of several queries, `MIN_KEYS_PER_SPLIT` for the drafts; `--floors full:draft` sets the first
+two to `full`). At
 256 rows and long contexts the chunk is above the floors; at 64 rows or short contexts the floors
 decide.
 
@@ -91,7 +93,8 @@ def time_splits(
 ) -> list[dict]:  # fmt: skip
     args, kwargs, host, n_full, bytes_to_move = launch(p, kind, num_moved, verify_tokens)
     device = torch.device(bench_kernels.DEV)
-    saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)
+    saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT,
+             attention_plan.MIN_KEYS_PER_VERIFY_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)  # fmt: skip
     saved_configs = dict(_attention_tile.LAUNCH_CONFIG)
     key = ("mixed", p.head_dim)
     reference = None
@@ -100,7 +103,8 @@ def time_splits(
         for programs in per_sm:
             for full_floor, draft_floor in floors:
                 attention_plan.PROGRAMS_PER_SM = programs
-                attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT = full_floor, draft_floor
+                attention_plan.MIN_KEYS_PER_FULL_SPLIT = attention_plan.MIN_KEYS_PER_VERIFY_SPLIT = full_floor
+                attention_plan.MIN_KEYS_PER_SPLIT = draft_floor
                 plan = attention_plan.plan_attention(*host, group=p.group, num_kv_heads=p.num_kv_heads, device=device,
                                                      num_moved=num_moved)  # fmt: skip
                 for spec in configs:
@@ -121,7 +125,8 @@ def time_splits(
                     })  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
     finally:
-        attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT = saved
+        (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT,
+         attention_plan.MIN_KEYS_PER_VERIFY_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT) = saved  # fmt: skip
         _attention_tile.LAUNCH_CONFIG.clear()
         _attention_tile.LAUNCH_CONFIG.update(saved_configs)
     return rows

@@ -372,11 +372,13 @@ def sweep(model: str, batch: int = 256, context: int = 16384, small: tuple[int, 
     problems = [(p, a9, ad), None]
     sp = Problem(model, small[0], small[1], seed=1)
     problems[1] = (sp, sp.full_args(9), sp.draft_args())
-    saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MIN_KEYS_PER_FULL_SPLIT)
+    saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MIN_KEYS_PER_FULL_SPLIT,
+             attention_plan.MIN_KEYS_PER_VERIFY_SPLIT)  # fmt: skip
     split_times = {}
-    for per_sm, min_draft, min_full in SPLITS:
+    for per_sm, min_draft, min_full in SPLITS:  # min_full: full rows of one query and of several alike
         attention_plan.PROGRAMS_PER_SM = per_sm
-        attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MIN_KEYS_PER_FULL_SPLIT = min_draft, min_full
+        attention_plan.MIN_KEYS_PER_SPLIT = min_draft
+        attention_plan.MIN_KEYS_PER_FULL_SPLIT = attention_plan.MIN_KEYS_PER_VERIFY_SPLIT = min_full
         total = 0.0
         for q, qa9, qad in problems:
             pl, dp = q.plan(9), q.draft_plan()
@@ -390,7 +392,8 @@ def sweep(model: str, batch: int = 256, context: int = 16384, small: tuple[int, 
         split_times[(per_sm, min_draft, min_full)] = total
     best["splits"] = min(split_times, key=split_times.get)
     best["split_totals"] = [[*k, v] for k, v in split_times.items()]
-    attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MIN_KEYS_PER_FULL_SPLIT = saved
+    (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MIN_KEYS_PER_FULL_SPLIT,
+     attention_plan.MIN_KEYS_PER_VERIFY_SPLIT) = saved  # fmt: skip
     del p, sp, problems
     torch.cuda.empty_cache()
     return {"best": {k: list(v) for k, v in best.items()}, "log": log, "split_log": split_log}
@@ -405,7 +408,9 @@ def apply_best_splits(sweeps: dict) -> tuple:
         for per_sm, min_draft, min_full, t in result["best"]["split_totals"]:
             totals[(per_sm, min_draft, min_full)] = totals.get((per_sm, min_draft, min_full), 0.0) + t
     choice = min(totals, key=totals.get)
-    attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MIN_KEYS_PER_FULL_SPLIT = choice
+    per_sm, min_draft, min_full = choice
+    attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_SPLIT = per_sm, min_draft
+    attention_plan.MIN_KEYS_PER_FULL_SPLIT = attention_plan.MIN_KEYS_PER_VERIFY_SPLIT = min_full
     return choice
 
 

@@ -21,8 +21,10 @@ finish with plain one-token steps), any of our drafting runs with `_refresh<n>` 
 verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`)
 and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
 plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
-`_compiled`), any of our runs with `_fullsplit<n>` appended (full rows' tiles split into pieces of at
-least n keys instead of 1,024: `induction_diagonal_compiled_refresh2_fullsplit512`) and then `_scoregrid<n>`
+`_compiled`), any of our runs with `_fullsplit<n>` appended (one-query full rows, the plain steps,
+split into pieces of at least n keys instead of 1,024: `ar_compiled_fullsplit512`), then `_verifysplit<n>`
+(tiles of full rows with several queries, the verifications, at least n keys instead of 256:
+`induction_diagonal_compiled_refresh2_verifysplit1024`), then `_scoregrid<n>`
 (the scoring pass's grid: n programs per SM instead of 4) and `_scorechunk<n>` (its chunks grow to n keys
 instead of 256), and with `_unfused`
 appended last (the logits pipeline's fused paths off:
@@ -128,11 +130,13 @@ def unfused_sampling(active: bool):
 
 
 # Run-name suffixes that set a module constant for one run (no config field), in the order they
-# are appended (before `_unfused`): `_fullsplit<n>` the least keys per split of a full row's tile
-# (verifications, plain steps, prefill; 1,024), `_scoregrid<n>` the scoring pass's programs per SM (4),
-# `_scorechunk<n>` the keys its chunks grow to (256; 128 = the chunks before that rule).
+# are appended (before `_unfused`): `_fullsplit<n>` the least keys per split of a one-query full row
+# (plain steps; 1,024), `_verifysplit<n>` of a tile of full rows with several queries (verifications,
+# prefill; 256), `_scoregrid<n>` the scoring pass's programs per SM (4), `_scorechunk<n>` the keys its
+# chunks grow to (256; 128 = the chunks before that rule).
 MODULE_SUFFIXES = (
     ("_fullsplit", attention_plan, "MIN_KEYS_PER_FULL_SPLIT"),
+    ("_verifysplit", attention_plan, "MIN_KEYS_PER_VERIFY_SPLIT"),
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
 )

@@ -94,27 +94,34 @@ def test_run_names_map_to_config_fields():
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2)
     assert run_fields("induction_diagonal_refresh2_fullsplit512_scoregrid2", args) == dict(
         selection="induction_diagonal", selection_refresh_interval=2)
+    assert run_fields("induction_diagonal_compiled_refresh2_verifysplit1024", args) == dict(
+        selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2)
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
     with pytest.raises(KeyError):
         run_fields("pillar_fromage", args)
 
 
-def test_a_full_split_suffix_sets_the_engines_floor_for_its_run_only():
+def test_split_suffixes_set_the_engines_floors_for_their_run_only():
     import numpy as np
     from e2e_throughput import run_settings
 
     from hf_sparsespec.kernels import attention_plan
 
-    def full_pieces() -> int:  # one verification of 9 queries over 4,096 keys, 264 items (a 132-SM GPU)
+    def pieces(queries: int) -> int:  # one full row of `queries` over 4,096 keys, 264 items (a 132-SM GPU)
         work, _, _ = attention_plan.plan_work_lists(
-            [0, 9], [4096], 1, [0], [0], group=6, block_m_full=64, items=264)  # fmt: skip
+            [0, queries], [4096], 1, [0], [0], group=6, block_m_full=64, items=264)  # fmt: skip
         return int(np.count_nonzero(work[:, 0] == 0))
 
-    assert full_pieces() == 4  # the 1,024-key floor
+    assert (pieces(1), pieces(9)) == (4, 16)  # a plain step's 1,024-key floor, a verification's 256
     with run_settings("induction_diagonal_refresh2_fullsplit512_unfused"):
-        assert full_pieces() == 8
-    assert full_pieces() == 4 and attention_plan.MIN_KEYS_PER_FULL_SPLIT == 1024
+        assert (pieces(1), pieces(9)) == (8, 16)
+    with run_settings("induction_diagonal_refresh2_verifysplit1024"):
+        assert (pieces(1), pieces(9)) == (4, 4)
+    with run_settings("induction_diagonal_fullsplit512_verifysplit512_scoregrid2"):
+        assert (pieces(1), pieces(9)) == (8, 8)
+    assert (pieces(1), pieces(9)) == (4, 16)
+    assert (attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_VERIFY_SPLIT) == (1024, 256)
 
 
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():

@@ -37,14 +37,16 @@ from hf_sparsespec.kernels._checks import next_power_of_2
 
 # Keys of one block of the kernels' inner loop; split boundaries are rounded to it.
 KEY_ALIGN = 64
-# The fewest keys a split gets, for full-row tiles and draft tiles: below this, the per-program cost
-# (loading Q, writing fp32 partials, merging) stops being small next to the keys' bytes. A full tile's
-# partials are up to BLOCK_M rows, a draft tile's one group, hence the different floors. The floors
-# decide only where `total keys / items` is below them: small batches, short contexts. A 256-key floor
-# for full tiles sped up a synthetic mixed layer (64 rows, 1K keys, drafts of ~60 keys: 37 -> 20 us)
-# but not the engine's, and slowed AR's one-query rows (docs/measurements.md section 20).
+# The fewest keys a split gets, for draft tiles, full rows of one query (plain steps) and tiles of full
+# rows with several queries (verifications, prefill chunks): below this, the per-program cost (loading
+# Q, writing fp32 partials, merging) stops being small next to the keys' bytes. The floors decide only
+# where `total keys / items` is below them: small batches, short contexts. A 256-key floor slowed AR's
+# one-query rows at 2K-4K contexts (52 -> 59 us per layer at 64 x 2K), but once the drafts' moved keys
+# lost their repeat check it made the mixed launch's verifications the shorter path at 64 x 1K
+# (38 -> 21 us) and 256 x 1K (55 -> 49) (docs/measurements.md sections 20 and 23).
 MIN_KEYS_PER_SPLIT = 256
 MIN_KEYS_PER_FULL_SPLIT = 1024
+MIN_KEYS_PER_VERIFY_SPLIT = 256
 # Programs the decomposition aims for, per multiprocessor (several waves hide the tail).
 PROGRAMS_PER_SM = 4
 # The largest packed query tile (queries x GQA group) of full rows.
@@ -135,6 +137,7 @@ def plan_work_lists(
     items: int,
     min_keys_per_split: int | None = None,
     min_keys_per_full_split: int | None = None,
+    min_keys_per_verify_split: int | None = None,
     capacity: PlanCapacity | None = None,
     num_moved: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -144,11 +147,14 @@ def plan_work_lists(
     lengths / selected counts / recent starts; rows `[0, num_full_rows)` attend fully and causally, the
     rest are one-query draft rows. `capacity`: pad both lists to its sizes with no-op entries (and
     check the bounds). `num_moved`: moved-key entries every draft row attends besides its selection
-    (the diagonal selection; the kernel masks the ones that fall outside or are selected). The floors default
-    to the module constants as they are at the call (benchmarks set them).
+    (the diagonal selection; the kernel masks the ones that fall outside or are selected). The floors
+    (draft tiles, one-query full rows, tiles of full rows with several queries) default to the module
+    constants as they are at the call (benchmarks set them).
     """
     min_keys_per_split = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else min_keys_per_split
     min_keys_per_full_split = MIN_KEYS_PER_FULL_SPLIT if min_keys_per_full_split is None else min_keys_per_full_split
+    if min_keys_per_verify_split is None:
+        min_keys_per_verify_split = MIN_KEYS_PER_VERIFY_SPLIT
     query_start = np.asarray(query_start, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
     num_rows = context_lens.shape[0]
@@ -180,7 +186,9 @@ def plan_work_lists(
     is_full = q_begin >= 0
 
     chunk = -(-int(num_keys.sum()) // items) if num_keys.size else 1
-    floor = np.where(is_full, min_keys_per_full_split, min_keys_per_split)
+    several_queries = q_lens[row] > 1
+    floor = np.where(is_full, np.where(several_queries, min_keys_per_verify_split, min_keys_per_full_split),
+                     min_keys_per_split)  # fmt: skip
     num_splits = np.maximum(1, -(-num_keys // np.maximum(chunk, floor)))
     size = -(-num_keys // num_splits)
     size = np.where(size > KEY_ALIGN, -(-size // KEY_ALIGN) * KEY_ALIGN, size)
@@ -245,6 +253,7 @@ def plan_attention(
     device: torch.device,
     min_keys_per_split: int | None = None,
     min_keys_per_full_split: int | None = None,
+    min_keys_per_verify_split: int | None = None,
     target_programs: int | None = None,
     num_moved: int = 0,
 ) -> AttentionPlan:
@@ -257,18 +266,22 @@ def plan_attention(
         num_selected, recent_start: per row, read for draft rows (their keys are the selected
             positions plus `recent_start .. context_len - 1`).
         group, num_kv_heads: query heads per KV head, KV heads.
-        min_keys_per_split, min_keys_per_full_split, target_programs: the split heuristics
-            (module constants by default; tests lower them). `min_keys_per_split` alone sets both floors.
+        min_keys_per_split, min_keys_per_full_split, min_keys_per_verify_split, target_programs: the
+            split heuristics (module constants by default; tests lower them). `min_keys_per_split`
+            alone sets all three floors.
         num_moved: moved-key entries of every draft row (the diagonal selection), 0 otherwise.
     """
-    if min_keys_per_full_split is None:  # None on both: the module's floors, resolved by `plan_work_lists`
+    if min_keys_per_full_split is None:  # None on all: the module's floors, resolved by `plan_work_lists`
         min_keys_per_full_split = min_keys_per_split
+    if min_keys_per_verify_split is None:
+        min_keys_per_verify_split = min_keys_per_full_split
     q_lens = np.diff(np.asarray(query_start))
     block_m_full, block_m_draft = block_sizes(int(q_lens[:num_full_rows].max(initial=1)), group)
     work, merge, num_part_rows = plan_work_lists(
         query_start, context_lens, num_full_rows, num_selected, recent_start, group=group,
         block_m_full=block_m_full, items=target_items(num_kv_heads, torch.device(device), target_programs),
-        min_keys_per_split=min_keys_per_split, min_keys_per_full_split=min_keys_per_full_split, num_moved=num_moved,
+        min_keys_per_split=min_keys_per_split, min_keys_per_full_split=min_keys_per_full_split,
+        min_keys_per_verify_split=min_keys_per_verify_split, num_moved=num_moved,
     )  # fmt: skip
     lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)]))
     if torch.device(device).type == "cuda":

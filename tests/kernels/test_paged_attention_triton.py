@@ -14,7 +14,7 @@ from kernel_cases import (  # noqa: F401
     query_offsets,
 )
 
-from hf_sparsespec.kernels.attention_plan import plan_attention
+from hf_sparsespec.kernels.attention_plan import plan_attention, plan_work_lists
 from hf_sparsespec.kernels.paged_attention import paged_attention, paged_attention_ref
 
 # (context_lens, q_lens); "PS" stands for the page size.
@@ -66,6 +66,17 @@ def test_paged_attention_fp16(device, case):
 def test_split_plan_really_splits(device):
     plan = _run_case(device, torch.float32, "verify", 16, 3, 32)
     assert plan.num_merge > 0 and plan.num_work > 4
+
+
+def test_each_kind_of_tile_splits_down_to_its_own_floor():
+    """A plain step (one-query full row), a verification (9 queries) and a draft, 4,096 keys each, with
+    items enough for any split: each is cut into pieces of its own floor's keys."""
+    work, _, _ = plan_work_lists(
+        [0, 1, 10, 11], [4096, 4096, 64], 2, [0, 0, 4032], [0, 0, 0], group=3, block_m_full=32, items=10_000,
+        min_keys_per_split=512, min_keys_per_full_split=1024, min_keys_per_verify_split=256,
+    )  # fmt: skip
+    pieces = [int((work[:, 0] == row).sum()) for row in range(3)]
+    assert pieces == [4, 16, 8]
 
 
 def test_paged_attention_rejects_bad_arguments(device):
