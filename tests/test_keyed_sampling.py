@@ -97,6 +97,9 @@ def test_triton_key_hashes_equal_the_references(words, device):
     assert torch.equal(uniform, keyed_uniform_ref(keys))
     assert ((uniform > 0) & (uniform < 1)).all()
     assert device_position_keys(streams[:0], positions[:0]).shape == (0, 700, 2)
+    one = device_position_keys(streams[1, 5:6], positions[1, 5:6])  # a one-row launch (a batch's last request)
+    assert torch.equal(one, position_keys_ref(streams[1, 5:6], positions[1, 5:6]))
+    assert torch.equal(keyed_uniform(one), keyed_uniform_ref(one))
     with pytest.raises(ValueError, match="last dimension of 2"):
         device_position_keys(streams[..., :1], positions)
     with pytest.raises(ValueError, match="positions"):

@@ -35,7 +35,9 @@ _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _POSITION_SALT = 0x9E3779B9
 SAMPLE_PROGRAMS_PER_SM = 8  # keyed_sample splits each row's vocabulary until rows x splits reach this per SM
-UNIFORM_BLOCK = 1024  # keys per program of keyed_uniform, whatever their number (one compiled variant)
+# keys per program of position_keys and keyed_uniform whatever their number: one compiled variant each
+# (a batch's tail hashes ever fewer rows; a block sized from n would compile each new size again)
+KEYS_PER_PROGRAM = 1024
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -155,7 +157,7 @@ def _fold_splits_kernel(
     tl.store(out_ptr + row, tl.sum(tl.where(offs == first, index, 0), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _position_keys_kernel(
     streams_ptr,  # [n, 2] int32/int64 (hi, lo) stream words
     positions_ptr,  # [n] int32/int64
@@ -210,9 +212,8 @@ def position_keys(streams: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     keys = torch.empty(flat.shape, dtype=torch.int64, device=streams.device)
     n = flat.shape[0]
     if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _position_keys_kernel[(triton.cdiv(n, block),)](flat, positions.reshape(-1).contiguous(), keys, n,
-                                                         flat.stride(0), BLOCK=block)  # fmt: skip
+        _position_keys_kernel[(triton.cdiv(n, KEYS_PER_PROGRAM),)](flat, positions.reshape(-1).contiguous(), keys, n,
+                                                                    flat.stride(0), BLOCK=KEYS_PER_PROGRAM)  # fmt: skip
     return keys.view(*streams.shape)
 
 
@@ -222,8 +223,8 @@ def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
     flat = _rows_of_pairs("keys", keys)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=keys.device)
     n = flat.shape[0]
-    if n:  # one compiled variant whatever n (a batch's tail draws ever fewer: each new size compiled again)
-        _keyed_uniform_kernel[(triton.cdiv(n, UNIFORM_BLOCK),)](flat, out, n, flat.stride(0), BLOCK=UNIFORM_BLOCK)
+    if n:
+        _keyed_uniform_kernel[(triton.cdiv(n, KEYS_PER_PROGRAM),)](flat, out, n, flat.stride(0), BLOCK=KEYS_PER_PROGRAM)
     return out.view(*keys.shape[:-1])
 
 

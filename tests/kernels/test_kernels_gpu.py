@@ -155,16 +155,16 @@ def test_store_kv_bf16(page_size, kvh, head_dim):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def test_a_shrinking_tail_compiles_no_scoring_or_uniform_kernel_again():
-    """A batch's tail launches the scoring pass over ever fewer verifications and draws ever fewer
-    uniforms: after one launch of each, fewer rows (a single one too, which Triton would specialize)
-    must reuse the compiled kernels (a 256 x 8192 run compiled both again at iteration 8,752). The page
+def test_a_shrinking_tail_compiles_no_scoring_or_key_hashing_kernel_again():
+    """A batch's tail launches the scoring pass over ever fewer verifications and hashes and draws ever
+    fewer keys: after one launch of each, fewer rows (a single one too, which Triton would specialize)
+    must reuse the compiled kernels (256 x 8192 runs compiled them again at iterations 8,752 and 8,642). The page
     table and the scores are row slices of fixed-width buffers, as the engine's are: Triton also
     specializes a stride divisible by 16, which fresh per-launch buffers would meet (2 rows x 2 heads x
     328 keys)."""
     import triton
 
-    from hf_sparsespec.kernels.keyed_sample import keyed_uniform
+    from hf_sparsespec.kernels.keyed_sample import keyed_uniform, position_keys
     from hf_sparsespec.kernels.pillar_select import pillar_scores_into
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -187,13 +187,16 @@ def test_a_shrinking_tail_compiles_no_scoring_or_uniform_kernel_again():
 
     score(29)
     keyed_uniform(torch.randint(0, 2**30, (29 * 9, 2), device="cuda"))
+    position_keys(torch.randint(0, 2**30, (29, 2), device="cuda"), torch.arange(29, device="cuda"))
     compiled, previous = [], runtime.jit_cache_hook
     runtime.jit_cache_hook = lambda *args, **kwargs: compiled.append(str(kwargs.get("repr", "?"))[:200])
     try:
         for num_rows in (16, 7, 2, 1):
             score(num_rows)
             keyed_uniform(torch.randint(0, 2**30, (num_rows * 9 - 8, 2), device="cuda"))
+            position_keys(torch.randint(0, 2**30, (num_rows, 2), device="cuda"), torch.arange(num_rows, device="cuda"))
     finally:
         runtime.jit_cache_hook = previous
-    again = [name for name in compiled if "_pillar_scores_kernel" in name or "_keyed_uniform_kernel" in name]
+    kernels = ("_pillar_scores_kernel", "_keyed_uniform_kernel", "_position_keys_kernel")
+    again = [name for name in compiled if any(kernel in name for kernel in kernels)]
     assert not again, f"compiled again: {again}"
