@@ -10,19 +10,25 @@ ran 211 iterations eagerly, 37 % of its time.
 
 So a bucket borrows a larger captured graph while it is new: it replays the captured bucket with the
 fewest tokens that holds it (more verify rows, more draft rows, shifted if it is; the extra rows are
-padding, which writes nothing and samples nothing), as long as that graph has at most
-`max(2 x tokens, tokens + 64)` tokens. How long it borrows is a rent-or-buy choice: a borrowed replay
-costs the padding tokens it computes for nothing, its own graph costs one eager iteration plus a capture
-(~100 ms on the H200 against ~0.0125 ms a padded token: a 256-row replay of ~480 tokens takes ~10 ms, a
-1-row one ~3.8 ms; docs/measurements.md 10). So a bucket borrows until its padding adds up to
+padding, which writes nothing and samples nothing), however many more tokens that graph has: the
+largest replay costs a fraction of an eager iteration (on the H100 at 256 requests ~7 ms against
+~45-60 ms). When a bucket borrowed only graphs of at most `max(2 x tokens, tokens + 64)` tokens, a
+draining batch's tail ran most new buckets eagerly twice and captured them: 7 % of a 256 x 2048 run's
+GPU time and 1.7 % of a 256 x 8192 run's (docs/measurements.md 24).
+
+How long a bucket borrows is a rent-or-buy choice: a borrowed replay costs the padding tokens it
+computes for nothing, its own graph costs one eager iteration plus a capture (~100 ms on the H200
+against ~0.0125 ms a padded token: a 256-row replay of ~480 tokens takes ~10 ms, a 1-row one ~3.8 ms;
+docs/measurements.md 10). So a bucket borrows until its padding adds up to
 `CAPTURE_AFTER_PADDING_TOKENS` (~8,000 tokens, the price of a capture), then gets its own graph: a
 bucket that is seen a few times never pays for a capture, one that stays pays at most twice the
 optimum. A bucket that no captured graph holds runs eagerly and is captured once it has been seen
 twice (its eager run just compiled every kernel it needs). Borrowing never changes a result: padding
 rows are inert and sampling noise is keyed per request and position, not per row. In a simulated
 256-request batch that drains over ~1,600 iterations (tests/test_graph_buckets.py) eager iterations
-fall from 245 to 27 and graphs from 116 to 13. Measured on the H200 with a fixed 4 borrowings a
-bucket (docs/measurements.md 10): 211 -> 73 eager iterations, 10,847 -> 13,893 tok/s at 256 x 2048.
+fall from 245 to 14 and graphs from 116 to 7 (27 and 13 with the old limit). Measured on the H200
+with a fixed 4 borrowings a bucket (docs/measurements.md 10): 211 -> 73 eager iterations, 10,847 ->
+13,893 tok/s at 256 x 2048.
 
 Invariant (owned here): `captured` lists exactly the buckets the runner holds a graph for.
 """
@@ -54,8 +60,8 @@ class GraphBuckets:
 
     def choose(self, bucket: Bucket) -> Bucket:
         """The bucket an iteration that needs `bucket` should be built for: its own when captured,
-        else (until its padding has cost a capture) the smallest captured bucket that holds it within the
-        padding limit, else its own."""
+        else (until its padding has cost a capture) the smallest captured bucket that holds it, else its
+        own."""
         if bucket in self.captured or self.padding[bucket] >= CAPTURE_AFTER_PADDING_TOKENS:
             return bucket
         larger = self.smallest_holding(bucket)
@@ -67,10 +73,7 @@ class GraphBuckets:
 
     def smallest_holding(self, bucket: Bucket) -> Bucket | None:
         verify, draft, shifted = bucket
-        limit = max(2 * self.tokens(bucket), self.tokens(bucket) + 64)
-        holding = [
-            b for b in self.captured if b[0] >= verify and b[1] >= draft and b[2] >= shifted and self.tokens(b) <= limit
-        ]
+        holding = [b for b in self.captured if b[0] >= verify and b[1] >= draft and b[2] >= shifted]
         return min(holding, key=lambda b: (self.tokens(b), b), default=None)
 
     def ran_eagerly(self, bucket: Bucket) -> bool:

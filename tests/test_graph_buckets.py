@@ -54,11 +54,14 @@ def test_a_bucket_nothing_holds_is_captured_when_seen_twice():
     assert buckets.ran_eagerly(need)
 
 
-def test_borrowing_keeps_to_the_padding_limit_and_the_shift():
+def test_borrowing_takes_any_holder_and_keeps_to_the_shift():
     buckets = GraphBuckets(SPEC)
     buckets.add((8, 256, False))  # 328 tokens
-    assert buckets.choose((2, 16, False)) == (2, 16, False)  # 34 tokens: at most 98 may be borrowed
-    assert buckets.choose((8, 200, False)) == (8, 256, False)  # 272 -> 328: within 2x
+    # 34 tokens: a replay with 294 padding tokens still costs far less than an eager iteration
+    assert buckets.choose((2, 16, False)) == (8, 256, False)
+    assert buckets.padding[(2, 16, False)] == 294
+    assert buckets.choose((8, 200, False)) == (8, 256, False)
+    assert buckets.choose((10, 16, False)) == (10, 16, False)  # more verify rows than any graph: its own
     assert buckets.choose((8, 200, True)) == (8, 200, True)  # speculative rows need the shift fields
     buckets.add((8, 256, True))
     assert buckets.choose((8, 224, False)) == (8, 256, False)  # unshifted prefers the cheaper match
@@ -106,7 +109,7 @@ def test_borrowing_cuts_the_eager_iterations_of_a_growing_and_draining_batch():
     old_eager, old_graphs = _simulate(256, 8, borrow=False)
     new_eager, new_graphs = _simulate(256, 8, borrow=True)
     assert old_eager > 200  # the measured problem: ~2 eager iterations per bucket (211 on the H200)
-    assert new_eager <= old_eager // 4, (new_eager, old_eager)  # 245 -> 27
+    assert new_eager <= old_eager // 10, (new_eager, old_eager)  # 245 -> 14 (27 when borrowing stopped at 2x tokens)
     assert new_graphs <= old_graphs
 
 
