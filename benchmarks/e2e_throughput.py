@@ -36,7 +36,9 @@ Per run: tokens/s, ratio to HF static and to our AR mode, mean accepted drafts p
 (plain one-token steps apart; `plain_steps` counts them), wall ms
 per iteration next to device ms per iteration (CUDA events around each iteration's upload, step and
 result copy), and the ideal iteration time: the larger of (weights + KV each iteration must read) /
-4.26 TB/s and its FLOPs / 790 TFLOP/s, from the iteration's real rows; the seconds until the first
+the device's copy bandwidth and its FLOPs / the device's bf16 GEMM rate, from the iteration's real rows
+(`--roofline measured`, the default: both timed at the start, ~1 s; `h200`: the H200's 4.26 TB/s and
+790 TFLOP/s, the constants of the runs before 2026-12-05); the seconds until the first
 graph replay (start-up), and tokens/s while the batch is full (up to the first finish with nobody
 waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
 accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
@@ -87,8 +89,56 @@ from hf_sparsespec.generation import prepare_batch
 from hf_sparsespec.kernels import attention_plan, pillar_select
 from hf_sparsespec.sampling import LogitsPipeline
 
-HBM_BYTES_PER_S = 4.26e12
-BF16_FLOPS_PER_S = 790e12
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """The rates an ideal iteration is priced at."""
+
+    hbm_bytes_per_s: float  # a device-to-device copy, read + write
+    bf16_flops_per_s: float  # a large bf16 GEMM
+    source: str
+
+
+H200_ROOFLINE = Roofline(4.26e12, 790e12, "the H200's, measured 2026-11-29")
+
+
+def measure_roofline(device: str) -> Roofline:
+    """This device's copy bandwidth (1 GiB copied, read + write counted) and bf16 GEMM rate (8,192^3),
+    each the median of 10 timed runs after 3 untimed ones; the H200's constants off CUDA."""
+    if torch.device(device).type != "cuda":
+        return H200_ROOFLINE
+    bandwidth = 2 * 2**30 / _median_seconds(_copy_of(2**30, device))
+    n = 8192
+    flops = 2 * n**3 / _median_seconds(_gemm_of(n, device))
+    torch.cuda.empty_cache()
+    return Roofline(bandwidth, flops, f"measured on {torch.cuda.get_device_name(device)}")
+
+
+def _copy_of(size: int, device: str):
+    source, target = (torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2))
+    return lambda: target.copy_(source)
+
+
+def _gemm_of(n: int, device: str):
+    a, b, c = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(3))
+    return lambda: torch.mm(a, b, out=c)
+
+
+def _median_seconds(fn) -> float:
+    """Median of 10 CUDA-event timings of `fn` after 3 untimed calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
 SELECTIONS = {  # run name -> SparseSpecConfig fields
     "ar": dict(num_draft_tokens=0),
     "ar_compiled": dict(num_draft_tokens=0, compile_forward=True),
@@ -223,7 +273,8 @@ class StopAfter(StoppingCriteria):
 class IdealCounter:
     """Bytes and FLOPs each iteration must move / do, from its real rows (see the module docstring)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, roofline: Roofline) -> None:
+        self.roofline = roofline
         config = model.config.get_text_config()
         self.layers, self.kv_heads = config.num_hidden_layers, config.num_key_value_heads
         self.q_heads = config.num_attention_heads
@@ -240,7 +291,8 @@ class IdealCounter:
         kv = (full_keys + sparse_keys) * self.kv_bytes_per_key + scored_keys * self.kv_bytes_per_key // 2
         flops = 2 * self.linear_params * tokens + 2 * self.lm_head * logits
         flops += 4 * self.q_heads * self.head_dim * self.layers * attended
-        self.seconds.append(max((self.weight_bytes + kv) / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S))
+        rates = self.roofline
+        self.seconds.append(max((self.weight_bytes + kv) / rates.hbm_bytes_per_s, flops / rates.bf16_flops_per_s))
         self.kv_bytes.append(kv)
 
     def observe(self, batch, pillar: bool) -> None:
@@ -282,7 +334,7 @@ def recording_triton_compiles(iteration):
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = previous
 
 
-def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool) -> dict:
+def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool, roofline: Roofline) -> dict:
     job = prepare_batch(model, prompts, gen_config)
     committed = [0]  # tokens committed so far
     full_batch = {}  # when the batch stopped being full for good: the first finish with nobody waiting
@@ -299,7 +351,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool)
     if config.num_pages is not None and model.device.type == "cuda":
         print(f"  KV pool: {config.num_pages} pages ({config.kv_policy})", flush=True)
     engine.runner.time_iterations = model.device.type == "cuda"
-    ideal = IdealCounter(model)
+    ideal = IdealCounter(model, roofline)
     original = engine.runner.run
     launches = []  # per iteration: (host seconds since the start at its launch, replayed, tokens)
     row_counts = []  # per iteration: real rows (requests that ran)
@@ -460,6 +512,9 @@ def main() -> None:
     parser.add_argument("--stop", choices=["forced", "eos"], default="forced",
                         help="forced: min_new_tokens = new tokens; eos: outputs end at eos (reasoning lengths)")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (outputs comparable across runs)")
+    parser.add_argument("--roofline", choices=["measured", "h200"], default="measured",
+                        help="the rates the ideal iteration is priced at: this device's, timed at the start, or "
+                             "the H200's constants (4.26 TB/s, 790 TFLOP/s)")
     parser.add_argument("--no-warm", dest="warm", action="store_false",
                         help="time our runs cold (by default each runs once on the same prompts, 48 tokens, first)")
     args = parser.parse_args()
@@ -489,9 +544,13 @@ def main() -> None:
     forced = dict(min_new_tokens=n) if args.stop == "forced" else {}
     settings = dict(**sampling, max_new_tokens=n, **forced, eos_token_id=eos, pad_token_id=pad)
     gen_config = GenerationConfig(**settings)
+    roofline = measure_roofline(args.device) if args.roofline == "measured" else H200_ROOFLINE
+    print(f"roofline ({roofline.source}): {roofline.hbm_bytes_per_s / 1e12:.2f} TB/s, "
+          f"{roofline.bf16_flops_per_s / 1e12:.0f} bf16 TFLOP/s", flush=True)
     report = {"meta": {
         "model": name, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
         "transformers": transformers.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+        "roofline": dataclasses.asdict(roofline),
     }, "runs": {}}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.warm:  # Triton compiles once per process, outside the timings
@@ -527,7 +586,7 @@ def main() -> None:
                 # the AR mode (no drafts) scores nothing: its rows are plain steps
                 scored = config.selection in SCORED_SELECTIONS and config.num_draft_tokens > 0
                 graphs_before = dynamo_graphs()
-                result = run_ours(model, prompts, gen_config, config, pillar=scored)
+                result = run_ours(model, prompts, gen_config, config, pillar=scored, roofline=roofline)
                 result["dynamo_graphs_compiled"] = dynamo_graphs() - graphs_before  # in the timed run: > 0 is a stall
             outputs[label] = result.pop("outputs"), set(result["offloaded"])
             first = f"{run}+{policies[0]}"
@@ -545,13 +604,15 @@ def main() -> None:
 
     runs = report["runs"]
     hf = runs.get("hf_static", {}).get("tokens_per_s")
-    ar = runs.get("ar", {}).get("tokens_per_s")
+    ar = (runs.get("ar") or runs.get("ar_compiled") or {}).get("tokens_per_s")  # our AR mode, eager or compiled
     decoding = "greedy" if args.greedy else f"T={args.temperature}"
     if not args.greedy and (args.top_k or args.top_p < 1.0):
         decoding += f", top-k {args.top_k or 'off'}, top-p {args.top_p}"
     print(f"\n{name}, batch {args.batch} x {n} new tokens ({args.stop}), {str(dtype)[6:]}, {decoding}, "
           f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
-          f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")  # fmt: skip
+          f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; ideal at "
+          f"{roofline.hbm_bytes_per_s / 1e12:.2f} TB/s and {roofline.bf16_flops_per_s / 1e12:.0f} TFLOP/s "
+          f"({roofline.source})")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
           "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | s to first replay | "
           "tok/s while the batch is full |")

@@ -148,3 +148,21 @@ def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():
     assert warm_configs(SparseSpecConfig(), prompts, 48) == [SparseSpecConfig()]
     drafting, crossing = warm_configs(plain, prompts, 48)
     assert drafting.min_draft_context == 0 and crossing.min_draft_context == 250 + 1 + 24
+
+
+def test_the_ideal_iteration_is_priced_at_the_runs_roofline():
+    """e2e_throughput's ideal iteration: the larger of its bytes over the copy bandwidth and its FLOPs
+    over the GEMM rate of the roofline it was given (the device's, measured; the H200's off CUDA)."""
+    from e2e_throughput import H200_ROOFLINE, IdealCounter, Roofline, measure_roofline
+
+    assert measure_roofline("cpu") == H200_ROOFLINE
+    model = tiny_model("qwen2")
+    slow_memory, slow_math = Roofline(1e9, 1e18, "test"), Roofline(1e18, 1e9, "test")
+    counters = [IdealCounter(model, rates) for rates in (slow_memory, slow_math)]
+    for counter in counters:  # 9 tokens, 2 logits, 500 keys read fully, 40 sparsely, 300 scored, 600 attended
+        counter.add(9, 2, 500, 40, 300, 600)
+    c = counters[0]
+    kv = 540 * c.kv_bytes_per_key + 300 * c.kv_bytes_per_key // 2
+    flops = 2 * c.linear_params * 9 + 2 * c.lm_head * 2 + 4 * c.q_heads * c.head_dim * c.layers * 600
+    assert c.seconds == [pytest.approx((c.weight_bytes + kv) / 1e9)] and c.kv_bytes == [kv]
+    assert counters[1].seconds == [pytest.approx(flops / 1e9)]
