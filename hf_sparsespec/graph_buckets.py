@@ -30,12 +30,23 @@ fall from 245 to 14 and graphs from 116 to 7 (27 and 13 with the old limit). Mea
 with a fixed 4 borrowings a bucket (docs/measurements.md 10): 211 -> 73 eager iterations, 10,847 ->
 13,893 tok/s at 256 x 2048.
 
+The decode start is a ramp: requests join their phase buckets over one cycle (`scheduler`), so the
+first k + 1 decode iterations each need more verify and draft rows than the last, and no graph exists
+yet: about 9 iterations of 35-90 ms each (eager, some capturing) at the start of every H100 run of
+docs/measurements.md 24, against 4-9 ms for a replay. So the first iteration that nothing holds builds
+and captures the batch's first graph at once, sized for every slot (`first_graph`: verify rows for 1.25
+x the slots' share of verifications, a one-token row per slot, the shift fields). The ramp and the
+steady state borrow it until they buy their own.
+
 Invariant (owned here): `captured` lists exactly the buckets the runner holds a graph for.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+
+from hf_sparsespec.batch import round_up_rows
 
 Bucket = tuple[int, int, bool]  # (verify rows, draft rows, shifted) of a padded decode iteration
 
@@ -43,13 +54,18 @@ Bucket = tuple[int, int, bool]  # (verify rows, draft rows, shifted) of a padded
 # a capture (~100 ms) over the cost of a padded token in a replay (~0.0125 ms), both on the H200
 CAPTURE_AFTER_PADDING_TOKENS = 8192
 CAPTURE_SIGHTINGS = 2  # sightings (borrowed or eager) after which an eager bucket is captured
+# the first graph's verify rows, over the slots' share of verifications (slots / (k + 1)): the share
+# moves with the requests' acceptance
+FIRST_GRAPH_VERIFY_MARGIN = 1.25
 
 
 class GraphBuckets:
     """The bookkeeping of the runner's graphs by bucket (host only, no device state)."""
 
-    def __init__(self, spec_len: int) -> None:
+    def __init__(self, spec_len: int, num_slots: int | None = None) -> None:
         self.spec_len = spec_len  # tokens per verify row (k + 1)
+        self.num_slots = num_slots  # rows an iteration has at most (None: no first graph)
+        self.first: Bucket | None = None  # the first graph's bucket, once chosen
         self.captured: list[Bucket] = []
         self.borrowed: Counter[Bucket] = Counter()  # iterations each bucket ran in a larger graph
         self.padding: Counter[Bucket] = Counter()  # padding tokens those iterations computed
@@ -66,6 +82,10 @@ class GraphBuckets:
             return bucket
         larger = self.smallest_holding(bucket)
         if larger is None:
+            if self.first is None and not self.captured and self.spec_len > 1 and self.num_slots:
+                self.first = self.first_graph()
+                if self.first[0] >= bucket[0] and self.first[1] >= bucket[1]:
+                    return self.first
             return bucket
         self.borrowed[bucket] += 1
         self.padding[bucket] += self.tokens(larger) - self.tokens(bucket)
@@ -76,10 +96,17 @@ class GraphBuckets:
         holding = [b for b in self.captured if b[0] >= verify and b[1] >= draft and b[2] >= shifted]
         return min(holding, key=lambda b: (self.tokens(b), b), default=None)
 
+    def first_graph(self) -> Bucket:
+        """The bucket of the batch's first graph (see the module docstring)."""
+        slots = self.num_slots
+        verify = math.ceil(FIRST_GRAPH_VERIFY_MARGIN * slots / self.spec_len)
+        return round_up_rows(verify, slots, self.spec_len), round_up_rows(slots, slots), True
+
     def ran_eagerly(self, bucket: Bucket) -> bool:
-        """Record an eager iteration of `bucket`; True when it should be captured now."""
+        """Record an eager iteration of `bucket`; True when it should be captured now (the first
+        graph's at once: it was chosen to be borrowed)."""
         self.eager[bucket] += 1
-        return self.eager[bucket] + self.borrowed[bucket] >= CAPTURE_SIGHTINGS
+        return bucket == self.first or self.eager[bucket] + self.borrowed[bucket] >= CAPTURE_SIGHTINGS
 
     def add(self, bucket: Bucket) -> None:
         self.captured.append(bucket)

@@ -158,7 +158,7 @@ class ModelRunner:
             self.best = torch.zeros(shape, dtype=torch.int64, device=device)
         self.use_graphs = use_graphs and device.type == "cuda" and backend.needs_plan and pipeline.graph_safe
         self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, StepViews]] = {}
-        self.buckets = GraphBuckets(k + 1)  # which buckets have graphs, and which a new bucket borrows
+        self.buckets = GraphBuckets(k + 1, num_slots)  # which buckets have graphs, which a new bucket borrows
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self.checked_attention = False

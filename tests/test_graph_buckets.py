@@ -113,6 +113,44 @@ def test_borrowing_cuts_the_eager_iterations_of_a_growing_and_draining_batch():
     assert new_graphs <= old_graphs
 
 
+def _simulate_start(num_slots: int, k: int, first_graph: bool, iterations: int = 40) -> tuple[int, list]:
+    """(eager iterations, graphs) of a batch's decode start: a request joins each iteration until every
+    slot drafts (the scheduler's phase buckets spread them over one cycle), each then drafting k times
+    and verifying once."""
+    spec = k + 1
+    buckets = GraphBuckets(spec, num_slots if first_graph else None)
+    joined, eager, just_verified = [], 0, 0
+    for iteration in range(iterations):
+        joined += [iteration] * min(-(-num_slots // spec), num_slots - len(joined))
+        n_v = sum(1 for start in joined if (iteration - start) % spec == k)
+        need = (round_up_rows(n_v, num_slots, spec), round_up_rows(len(joined) - n_v, num_slots), just_verified > 0)
+        bucket = buckets.choose(need)
+        assert bucket[0] >= need[0] and bucket[1] >= need[1] and bucket[2] >= need[2]
+        if bucket not in buckets.captured:
+            eager += 1
+            if buckets.ran_eagerly(bucket):
+                buckets.add(bucket)
+        just_verified = n_v
+    return eager, buckets.captured
+
+
+@pytest.mark.parametrize("num_slots", [64, 256])
+def test_the_decode_start_ramps_up_in_one_graph_captured_at_once(num_slots):
+    old_eager, _ = _simulate_start(num_slots, 8, first_graph=False)
+    eager, graphs = _simulate_start(num_slots, 8, first_graph=True)
+    assert old_eager >= 9  # a new bucket each iteration of the ramp, each run eagerly (twice if it stays)
+    assert eager == 1 and graphs[0] == GraphBuckets(SPEC, num_slots).first_graph()
+    assert graphs[0] == ((10, 64, True) if num_slots == 64 else (36, 256, True))  # 1.25 x slots / 9 verify rows
+
+
+def test_no_first_graph_for_autoregressive_decoding_or_an_iteration_past_it():
+    plain = GraphBuckets(1, 64)  # k = 0: one-token rows only, all present from the start
+    assert plain.choose((0, 64, False)) == (0, 64, False) and plain.first is None
+    buckets = GraphBuckets(SPEC, 64)
+    assert buckets.choose((12, 64, False)) == (12, 64, False)  # more verifications than the first graph holds
+    assert not buckets.ran_eagerly((12, 64, False))  # ... runs as any new bucket: captured when seen again
+
+
 def _run(model, prompts, config, do_sample, bucket=None, max_new_tokens=24):
     torch.manual_seed(7)  # the keyed sampling seed comes from torch's generator
     requests = [Request(i, p, max_new_tokens, batch_row=i) for i, p in enumerate(prompts)]
