@@ -32,7 +32,7 @@ with a fixed 4 borrowings a bucket (docs/measurements.md 10): 211 -> 73 eager it
 
 The decode start is a ramp: requests join their phase buckets over one cycle (`scheduler`), so the
 first k + 1 decode iterations each need more verify and draft rows than the last, and no graph exists
-yet: about 9 iterations of 35-90 ms each (eager, some capturing) at the start of every H100 run of
+yet: about 9 iterations of 33-104 ms each (eager, some capturing) at the start of every H100 run of
 docs/measurements.md 24, against 4-9 ms for a replay. So the first iteration that nothing holds builds
 and captures the batch's first graph at once, sized for every slot (`first_graph`: verify rows for 1.25
 x the slots' share of verifications, a one-token row per slot, the shift fields). The ramp and the
