@@ -69,6 +69,18 @@ def test_borrowing_takes_any_holder_and_keeps_to_the_shift():
     assert buckets.choose((8, 192, False)) == (8, 256, True)  # ... but may run in a shifted graph
 
 
+def _runs_eagerly(buckets: GraphBuckets, need) -> bool:
+    """The runner's bookkeeping of one padded iteration that needs `need`: True if it runs eagerly (then
+    captured when `ran_eagerly` says so)."""
+    bucket = buckets.choose(need)
+    assert bucket[0] >= need[0] and bucket[1] >= need[1] and bucket[2] >= need[2]
+    if bucket in buckets.captured:
+        return False
+    if buckets.ran_eagerly(bucket):
+        buckets.add(bucket)
+    return True
+
+
 def _simulate(num_requests: int, k: int, borrow: bool, seed: int = 0) -> tuple[int, int]:
     """(eager iterations, graphs) of a full unified batch that drains (requests finishing at random
     iterations, as forced lengths with different acceptance do), under the runner's policy or the old
@@ -89,12 +101,7 @@ def _simulate(num_requests: int, k: int, borrow: bool, seed: int = 0) -> tuple[i
             continue
         need = (round_up_rows(n_v, num_requests, spec), round_up_rows(n_d, num_requests), just_verified > 0)
         if borrow:
-            bucket = buckets.choose(need)
-            assert bucket[0] >= need[0] and bucket[1] >= need[1] and bucket[2] >= need[2]
-            if bucket not in buckets.captured:
-                eager += 1
-                if buckets.ran_eagerly(bucket):
-                    buckets.add(bucket)
+            eager += _runs_eagerly(buckets, need)
         elif need not in graphs:
             eager += 1
             seen[need] = seen.get(need, 0) + 1
@@ -114,9 +121,9 @@ def test_borrowing_cuts_the_eager_iterations_of_a_growing_and_draining_batch():
 
 
 def _simulate_start(num_slots: int, k: int, first_graph: bool, iterations: int = 40) -> tuple[int, list]:
-    """(eager iterations, graphs) of a batch's decode start: a request joins each iteration until every
-    slot drafts (the scheduler's phase buckets spread them over one cycle), each then drafting k times
-    and verifying once."""
+    """(eager iterations, graphs) of a batch's decode start: a (k + 1)-th of the slots join each
+    iteration until every slot drafts (the scheduler's phase buckets spread them over one cycle), each
+    request then drafting k times and verifying once."""
     spec = k + 1
     buckets = GraphBuckets(spec, num_slots if first_graph else None)
     joined, eager, just_verified = [], 0, 0
@@ -124,12 +131,7 @@ def _simulate_start(num_slots: int, k: int, first_graph: bool, iterations: int =
         joined += [iteration] * min(-(-num_slots // spec), num_slots - len(joined))
         n_v = sum(1 for start in joined if (iteration - start) % spec == k)
         need = (round_up_rows(n_v, num_slots, spec), round_up_rows(len(joined) - n_v, num_slots), just_verified > 0)
-        bucket = buckets.choose(need)
-        assert bucket[0] >= need[0] and bucket[1] >= need[1] and bucket[2] >= need[2]
-        if bucket not in buckets.captured:
-            eager += 1
-            if buckets.ran_eagerly(bucket):
-                buckets.add(bucket)
+        eager += _runs_eagerly(buckets, need)
         just_verified = n_v
     return eager, buckets.captured
 
