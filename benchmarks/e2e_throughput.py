@@ -79,6 +79,7 @@ import triton
 from loading import add_model_arguments, load_model
 from prompts import ensure_prompt_files, left_pad, mixed_prompts, reasoning_prompts
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from triton.testing import do_bench
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
@@ -104,7 +105,7 @@ H200_ROOFLINE = Roofline(4.26e12, 790e12, "the H200's, measured 2026-11-29")
 
 def measure_roofline(device: str) -> Roofline:
     """This device's copy bandwidth (1 GiB copied, read + write counted) and bf16 GEMM rate (8,192^3),
-    each the median of 10 timed runs after 3 untimed ones; the H200's constants off CUDA."""
+    medians of `triton.testing.do_bench`; the H200's constants off CUDA."""
     if torch.device(device).type != "cuda":
         return H200_ROOFLINE
     bandwidth = 2 * 2**30 / _median_seconds(_copy_of(2**30, device))
@@ -125,18 +126,7 @@ def _gemm_of(n: int, device: str):
 
 
 def _median_seconds(fn) -> float:
-    """Median of 10 CUDA-event timings of `fn` after 3 untimed calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return float(np.median(times))
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
 SELECTIONS = {  # run name -> SparseSpecConfig fields

@@ -11,8 +11,8 @@ ran 211 iterations eagerly, 37 % of its time.
 So a bucket borrows a larger captured graph while it is new: it replays the captured bucket with the
 fewest tokens that holds it (more verify rows, more draft rows, shifted if it is; the extra rows are
 padding, which writes nothing and samples nothing), however many more tokens that graph has: the
-largest replay costs a fraction of an eager iteration (on the H100 at 256 requests ~7 ms against
-~45-60 ms). When a bucket borrowed only graphs of at most `max(2 x tokens, tokens + 64)` tokens, a
+largest replay costs a fraction of an eager iteration (on the H100 at 256 requests ~6-10 ms against
+~28-65 ms). When a bucket borrowed only graphs of at most `max(2 x tokens, tokens + 64)` tokens, a
 draining batch's tail ran most new buckets eagerly twice and captured them: 7 % of a 256 x 2048 run's
 GPU time and 1.7 % of a 256 x 8192 run's (docs/measurements.md 24).
 
@@ -59,6 +59,11 @@ CAPTURE_SIGHTINGS = 2  # sightings (borrowed or eager) after which an eager buck
 FIRST_GRAPH_VERIFY_MARGIN = 1.25
 
 
+def holds(larger: Bucket, bucket: Bucket) -> bool:
+    """Whether an iteration built for `larger` can run one that needs `bucket` (the extra rows padding)."""
+    return larger[0] >= bucket[0] and larger[1] >= bucket[1] and larger[2] >= bucket[2]
+
+
 class GraphBuckets:
     """The bookkeeping of the runner's graphs by bucket (host only, no device state)."""
 
@@ -82,9 +87,10 @@ class GraphBuckets:
             return bucket
         larger = self.smallest_holding(bucket)
         if larger is None:
-            if self.first is None and not self.captured and self.spec_len > 1 and self.num_slots:
+            # the first bucket nothing holds (every capture follows this branch) may start the first graph
+            if self.first is None and self.spec_len > 1 and self.num_slots:
                 self.first = self.first_graph()
-                if self.first[0] >= bucket[0] and self.first[1] >= bucket[1]:
+                if holds(self.first, bucket):
                     return self.first
             return bucket
         self.borrowed[bucket] += 1
@@ -92,8 +98,7 @@ class GraphBuckets:
         return larger
 
     def smallest_holding(self, bucket: Bucket) -> Bucket | None:
-        verify, draft, shifted = bucket
-        holding = [b for b in self.captured if b[0] >= verify and b[1] >= draft and b[2] >= shifted]
+        holding = [b for b in self.captured if holds(b, bucket)]
         return min(holding, key=lambda b: (self.tokens(b), b), default=None)
 
     def first_graph(self) -> Bucket:

@@ -13,7 +13,7 @@ from hf_sparsespec.attention import use_attention
 from hf_sparsespec.batch import round_up_rows
 from hf_sparsespec.config import SparseSpecConfig
 from hf_sparsespec.engine import Engine
-from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
+from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets, holds
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.sampling import LogitsPipeline
 from hf_sparsespec.scheduler import Request, RowKind
@@ -73,7 +73,7 @@ def _runs_eagerly(buckets: GraphBuckets, need) -> bool:
     """The runner's bookkeeping of one padded iteration that needs `need`: True if it runs eagerly (then
     captured when `ran_eagerly` says so)."""
     bucket = buckets.choose(need)
-    assert bucket[0] >= need[0] and bucket[1] >= need[1] and bucket[2] >= need[2]
+    assert holds(bucket, need)
     if bucket in buckets.captured:
         return False
     if buckets.ran_eagerly(bucket):
