@@ -15,6 +15,8 @@ replays (`do_bench`, L2 flushed), and checks every output against the first pair
   entries per (row, KV head) as the default selection's (`induction_diagonal`: (k + 1) x group
   diagonal entries + 16 induction entries = 70 on this shape), half of them keys the selection holds already (the kernel searches the selection to
   skip those);
+- `verify` and `draft`: the `mixed` launch's verification rows alone and its draft rows alone (what
+  each half of the launch costs by itself);
 - `ar`: every row one query with full attention (the AR mode's plain steps).
 `--mixed-configs` also sweeps the mixed launch's configuration (`BLOCK_N_FULL:BLOCK_N_DRAFT:num_warps:
 num_stages`, the engine's `LAUNCH_CONFIG[("mixed", head_dim)]`; `engine` = the one it uses).
@@ -65,15 +67,29 @@ def moved_offsets(p: Problem, num_moved: int) -> torch.Tensor:
 
 def launch(p: Problem, kind: str, num_moved: int = 0, verify_tokens: int = 9):
     """(mixed_attention args, kwargs, host plan inputs, full rows, bytes that must move) of one layer."""
-    if kind == "mixed":
+    i32 = bench_kernels.i32
+    if kind in ("mixed", "verify", "draft"):
         args, host, n_v = p.mixed(verify_tokens)
-        kwargs = {"offsets": moved_offsets(p, num_moved)} if num_moved else {}
+        kwargs = {"offsets": moved_offsets(p, num_moved)} if num_moved and kind != "verify" else {}
         moved_bytes = (p.batch - n_v) * p.num_kv_heads * num_moved * (p.head_dim * 2 * 2 + 4)
         verify_bytes = p.full_bytes(n_v, verify_tokens)
-        return args, kwargs, host, n_v, verify_bytes + p.draft_bytes(p.batch - n_v) + moved_bytes
+        draft_bytes = p.draft_bytes(p.batch - n_v) + moved_bytes
+        if kind == "verify":  # the mixed launch's verifications alone
+            starts = host[0][: n_v + 1]
+            zeros = [0] * n_v
+            args = (args[0][: n_v * verify_tokens], p.k_cache, p.v_cache, p.page_table[:n_v], i32(starts),
+                    p.context_lens[:n_v], n_v, i32(zeros), p.selected, p.selection_slot[:n_v], i32(zeros), p.scale)  # fmt: skip
+            return args, kwargs, (starts, [p.context] * n_v, n_v, zeros, zeros), n_v, verify_bytes
+        if kind == "draft":  # the mixed launch's drafts alone
+            rows = slice(n_v, p.batch)
+            starts = list(range(p.batch - n_v + 1))
+            num_selected, recent_start = host[3][rows], host[4][rows]
+            args = (p.q1[rows], p.k_cache, p.v_cache, p.page_table[rows], i32(starts), p.context_lens[rows], 0,
+                    i32(recent_start), p.selected, p.selection_slot[rows], i32(num_selected), p.scale)  # fmt: skip
+            return args, kwargs, (starts, [p.context] * len(starts[1:]), 0, num_selected, recent_start), 0, draft_bytes
+        return args, kwargs, host, n_v, verify_bytes + draft_bytes
     starts = list(range(p.batch + 1))
     zeros = [0] * p.batch
-    i32 = bench_kernels.i32
     args = (p.q1, p.k_cache, p.v_cache, p.page_table, i32(starts), p.context_lens, p.batch, i32(zeros),
             p.selected, p.selection_slot, i32(zeros), p.scale)  # fmt: skip
     return args, {}, (starts, [p.context] * p.batch, p.batch, zeros, zeros), p.batch, p.full_bytes(p.batch, 1)
@@ -118,7 +134,7 @@ def time_splits(
                     ms = bench(lambda plan=plan: mixed_attention(*args, plan=plan, **kwargs), 5, 40)
                     rows.append({
                         "kind": kind, "batch": p.batch, "context": p.context, "full_rows": n_full,
-                        "draft_keys": p.budget, "moved": num_moved, "verify_tokens": verify_tokens if kind == "mixed" else 1,
+                        "draft_keys": p.budget, "moved": num_moved, "verify_tokens": verify_tokens if kind != "ar" else 1,
                         "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
                         "min_keys_per_split": draft_floor, "mixed_config": spec, "work_items": plan.num_work, "ms": ms,
                         "roofline": bytes_to_move / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
@@ -137,7 +153,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=list(bench_kernels.MODELS))
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--contexts", default="1024,4096,8192")
-    parser.add_argument("--kinds", default="mixed,ar", help="mixed (verify + draft rows), ar (one-query full rows)")
+    parser.add_argument("--kinds", default="mixed,ar", help="mixed (verify + draft rows), verify or draft (either half alone), ar (one-query full rows)")
     parser.add_argument("--min-budget", type=int, default=128, help="the least keys a draft selects")
     parser.add_argument("--moved", default="0,70", help="moved-key entries per draft row and KV head, one run each")
     parser.add_argument("--verify-tokens", default="9",
@@ -165,8 +181,8 @@ def main() -> None:
             p = Problem(a.model, batch, context)
             with_min_budget(p, a.min_budget)
             for kind in a.kinds.split(","):
-                for verify_tokens in map(int, a.verify_tokens.split(",") if kind == "mixed" else [1]):
-                    for num_moved in map(int, a.moved.split(",") if kind == "mixed" else [0]):
+                for verify_tokens in map(int, a.verify_tokens.split(",") if kind != "ar" else [1]):
+                    for num_moved in map(int, a.moved.split(",") if kind in ("mixed", "draft") else [0]):
                         rows += time_splits(p, kind, floors, per_sm, num_moved, verify_tokens, configs)
             del p
             if torch.cuda.is_available():
