@@ -73,7 +73,7 @@ def sparsespec_attention(
         if score:
             aside = step.aside
             ops.score_verification(q, layer.keys, *verify, lse, step.num_old_keys, step.scores, layer_idx,
-                                   step.verify_slots, scale, step.spec_len, step.backend.name,
+                                   step.verify_slots, scale, step.spec_len, step.max_verify_rows, step.backend.name,
                                    moved_store if step.verify_moves else None, step.best, step.verify_moves,
                                    *(aside.query, aside.lse, aside.tokens, aside.query_start) if aside else (None,) * 4,
                                    aside is not None and aside.stream is not None)  # fmt: skip
@@ -85,7 +85,8 @@ def sparsespec_attention(
         ops.score_layer(step.backend, q, layer.keys, *verify, lse, step.num_old_keys, step.scores[layer_idx], scale,
                         step.verify_slots, step.spec_len,
                         offsets=offsets[..., : step.verify_moves] if step.verify_moves else None,
-                        best=step.best[layer_idx] if step.best is not None else None, aside=aside)  # fmt: skip
+                        best=step.best[layer_idx] if step.best is not None else None, aside=aside,
+                        max_rows=step.max_verify_rows)  # fmt: skip
     step.attention_calls += 1
     return out[None], None
 

@@ -108,14 +108,14 @@ class ScoringAside:
 
 def score_layer(
     backend, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots, max_queries,
-    offsets=None, best=None, aside: ScoringAside | None = None,
+    offsets=None, best=None, aside: ScoringAside | None = None, max_rows: int | None = None,
 ) -> None:  # fmt: skip
-    """One layer's `score_verification`; with `aside` (the layer's, `ScoringAside.for_layer`), from
-    copies of what it reads, on its stream (the runner joins the stream after the forward, before
-    selecting)."""
+    """One layer's `score_verification` (`max_rows`: the workspace's rows, as `pillar_scores_into`); with
+    `aside` (the layer's, `ScoringAside.for_layer`), from copies of what it reads, on its stream (the
+    runner joins the stream after the forward, before selecting)."""
     if aside is None:
         backend.score_verification(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
-                                   max_queries, offsets=offsets, best=best)  # fmt: skip
+                                   max_queries, offsets=offsets, best=best, max_rows=max_rows)  # fmt: skip
         return
     torch.index_select(query, 0, aside.tokens, out=aside.query)
     torch.index_select(lse, 0, aside.tokens, out=aside.lse)
@@ -123,7 +123,8 @@ def score_layer(
         aside.stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(aside.stream) if aside.stream is not None else contextlib.nullcontext():
         backend.score_verification(aside.query, k_cache, page_table, aside.query_start, aside.lse, num_old_keys,
-                                   scores, scale, slots, max_queries, offsets=offsets, best=best)  # fmt: skip
+                                   scores, scale, slots, max_queries, offsets=offsets, best=best,
+                                   max_rows=max_rows)  # fmt: skip
 
 
 @torch.library.custom_op(
@@ -132,8 +133,8 @@ def score_layer(
 def score_verification(
     query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, scores: torch.Tensor, layer: int, slots: torch.Tensor,
-    scale: float, max_queries: int, backend: str, moved_offsets: torch.Tensor | None, best: torch.Tensor | None,
-    num_moves: int, aside_query: torch.Tensor | None, aside_lse: torch.Tensor | None,
+    scale: float, max_queries: int, max_rows: int, backend: str, moved_offsets: torch.Tensor | None,
+    best: torch.Tensor | None, num_moves: int, aside_query: torch.Tensor | None, aside_lse: torch.Tensor | None,
     aside_tokens: torch.Tensor | None, aside_query_start: torch.Tensor | None, aside_on_stream: bool,
 ) -> None:  # fmt: skip
     """Writes `scores[layer]` (and, for the diagonal selection, `best[layer]` on Triton or the first
@@ -150,11 +151,11 @@ def score_verification(
     score_layer(
         _backend(backend, query.device), query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer],
         scale, slots, max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
-        best=best[layer] if best is not None else None, aside=aside,
+        best=best[layer] if best is not None else None, aside=aside, max_rows=max_rows,
     )  # fmt: skip
 
 
 @score_verification.register_fake
-def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, backend,
-      moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_on_stream):  # fmt: skip
+def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, max_rows,
+      backend, moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_on_stream):  # fmt: skip
     return None

@@ -351,6 +351,7 @@ class ModelRunner:
             budgets=f["budget"],
             verify_slots=f["verify_slot"].long(),
             scores=self.scores[:, : shape.num_verify_rows] if self.scores is not None else None,
+            max_verify_rows=self.scores.shape[1] if self.scores is not None else None,
             score_verify_rows=self.scores_verify_rows,
             best=self.best[:, : shape.num_verify_rows] if self.best is not None else None,
             verify_moves=self.verify_moves,

@@ -43,6 +43,9 @@ class StepBatch:
     budgets: torch.Tensor  # [num_verify_rows] int32, keys PillarAttn keeps per (layer, KV head)
     verify_slots: torch.Tensor  # [num_verify_rows] int64, slots whose selection the rows rewrite
     scores: torch.Tensor | None  # [num_layers, num_verify_rows, num_kv_heads, width] fp32 workspace
+    # the workspace's rows: the most verify slots any shape has (fixes the scoring kernel's compiled row
+    # padding, so a bucket with fewer rows compiles nothing mid-run)
+    max_verify_rows: int | None
     score_verify_rows: bool  # PillarAttn (and "diagonal") scores keys inside the verification attention
     # --- the "diagonal" moved keys (None otherwise) ---
     best: torch.Tensor | None  # [num_layers, num_verify_rows, num_kv_heads, verify_moves] int64 (Triton), zeros between steps

@@ -42,7 +42,7 @@ class AttentionBackend(Protocol):
 
     def score_verification(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
-        max_queries=None, offsets=None, best=None,
+        max_queries=None, offsets=None, best=None, max_rows=None,
     ) -> None: ...  # fmt: skip
 
     def select_verified_keys(
@@ -82,7 +82,7 @@ class TorchBackend:
 
     def score_verification(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
-        max_queries=None, offsets=None, best=None,
+        max_queries=None, offsets=None, best=None, max_rows=None,
     ) -> None:  # fmt: skip
         """The moved-key offsets go straight into `offsets[slots]` (`best`, the Triton workspace, is unused)."""
         score_verification_ref(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,

@@ -274,13 +274,17 @@ def pillar_scores_into(
     scale: float,
     max_queries: int | None = None,
     best: torch.Tensor | None = None,
+    max_rows: int | None = None,
 ) -> None:
     """Triton scores of `pillar_scores_ref` written into `scores [num_rows, num_kv_heads, width]` at
     `j < num_old_keys[r]` (the rest is left as it was). Every other argument as `pillar_scores`;
     `num_old_keys[r] <= width`. `max_queries`: the most queries a row has (a verification block, k + 1),
     which sizes the tile; None: `query`'s tokens spread evenly over the rows. The grid depends only
     on the shapes (CUDA-graph safe). `best [num_rows, num_kv_heads, (k + 1) x group]` int64 (zeros on
-    entry): also fold each (query, head)'s best old key into it (`moved_keys.py`)."""
+    entry): also fold each (query, head)'s best old key into it (`moved_keys.py`). `max_rows`: the most
+    verifications any launch over these buffers has (the engine's workspace rows), which fixes the
+    kernel's compile-time row padding, so that every row count reuses one compiled kernel; None: this
+    launch's rows."""
     group = _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys)
     num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[2]
     check_tensor("scores", scores, dtypes=(torch.float32,), device=query.device, shape=(num_rows, num_kv_heads, None))
@@ -290,6 +294,8 @@ def pillar_scores_into(
         check_tensor("best", best, dtypes=(torch.int64,), device=query.device, shape=(num_rows, num_kv_heads, None))
         if best.stride(-1) != 1:
             raise ValueError(f"best: expected a unit-stride last dimension, got strides {best.stride()}")
+    if max_rows is not None and not num_rows <= max_rows:
+        raise ValueError(f"max_rows: expected at least the {num_rows} rows of the launch, got {max_rows!r}")
     if num_rows == 0 or scores.shape[2] == 0:
         return
     num_tokens, _, head_dim = query.shape
@@ -313,14 +319,14 @@ def pillar_scores_into(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], MIN_KEYS_PER_CHUNK=min_keys,
         PREFERRED_KEYS_PER_CHUNK=SCORE_PREFERRED_KEYS_PER_CHUNK,
-        ROWS_PAD=score_rows_pad(num_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
+        ROWS_PAD=score_rows_pad(num_rows if max_rows is None else max_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
 
 
-def score_rows_pad(num_rows: int) -> int:
-    """The scoring kernel's `ROWS_PAD` (a compile-time constant) for `num_rows` verifications."""
-    return max(SCORE_MIN_ROWS_PAD, next_power_of_2(num_rows))
+def score_rows_pad(max_rows: int) -> int:
+    """The scoring kernel's `ROWS_PAD` (a compile-time constant) for launches of up to `max_rows` verifications."""
+    return max(SCORE_MIN_ROWS_PAD, next_power_of_2(max_rows))
 
 
 def pillar_scores(
@@ -390,13 +396,15 @@ def update_selection(
     max_queries: int | None = None,
     offsets: torch.Tensor | None = None,
     best: torch.Tensor | None = None,
+    max_rows: int | None = None,
 ) -> None:
     """One layer's PillarAttn refresh on Triton: scores into the workspace `scores [num_rows,
     num_kv_heads, width]`, then the top keys straight into `selected[slots]` (no host syncs).
-    `max_queries`: as in `pillar_scores_into` (the verification block size). `"diagonal"`: also the
+    `max_queries`, `max_rows`: as in `pillar_scores_into` (the verification block size, the workspace rows). `"diagonal"`: also the
     moved-key offsets into `offsets[slots]` (`[num_slots, num_kv_heads, num_entries]` int32), through
     the int64 workspace `best [num_rows, num_kv_heads, num_entries]` (zeros, and left zeroed)."""
-    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries, best)
+    pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
+                       best=best, max_rows=max_rows)  # fmt: skip
     select_verified_keys(scores, num_old_keys, budgets, selected, slots, offsets, best, query.shape[1] // k_cache.shape[2])
 
 

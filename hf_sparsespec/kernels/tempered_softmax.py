@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
-from hf_sparsespec.kernels.keyed_sample import vocabulary_splits
+from hf_sparsespec.kernels.keyed_sample import splits_block, vocabulary_splits
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -140,7 +140,7 @@ def _softmax_write_kernel(
     stride_probs_row,
     temperature,
     BLOCK_V: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits_block(vocab): >= num_splits
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -191,7 +191,7 @@ def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     )  # fmt: skip
     _softmax_write_kernel[(num_rows, num_splits)](
         logits, maxima, sums, probs, vocab, split_size, logits.stride(0), probs.stride(0), temperature,
-        BLOCK_V=block, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=warps,
+        BLOCK_V=block, BLOCK_S=splits_block(vocab), num_warps=warps,
     )  # fmt: skip
     return probs
 

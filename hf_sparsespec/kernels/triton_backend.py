@@ -41,11 +41,11 @@ class TritonBackend:
 
     def score_verification(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
-        max_queries=None, offsets=None, best=None,
+        max_queries=None, offsets=None, best=None, max_rows=None,
     ) -> None:  # fmt: skip
         """`offsets` are written by `select_verified_keys`, from `best`."""
         pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
-                           best)  # fmt: skip
+                           best=best, max_rows=max_rows)  # fmt: skip
 
     def select_verified_keys(
         self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,

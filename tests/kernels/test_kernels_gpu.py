@@ -155,25 +155,28 @@ def test_store_kv_bf16(page_size, kvh, head_dim):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def test_a_shrinking_tail_compiles_no_scoring_or_key_hashing_kernel_again():
-    """A batch's tail launches the scoring pass over ever fewer verifications and hashes and draws ever
-    fewer keys: after one launch of each, fewer rows (a single one too, which Triton would specialize)
-    must reuse the compiled kernels (256 x 8192 runs compiled them again at iterations 8,752 and 8,642). The page
-    table and the scores are row slices of fixed-width buffers, as the engine's are: Triton also
-    specializes a stride divisible by 16, which fresh per-launch buffers would meet (2 rows x 2 heads x
-    328 keys)."""
+def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_again():
+    """A batch's ramp and tail launch the scoring pass over other numbers of verifications, and hash,
+    draw and normalise over other numbers of rows: after one launch of each, other row counts (a
+    single row too, which Triton would specialize) must reuse the compiled kernels (256 x 8192 runs
+    compiled them again at iterations 8,752 and 8,642; a 256 x 2048 run the scoring and fold kernels at
+    iteration 186, from 36 verifications to 32: docs/measurements.md 25). The page table and the scores
+    are row slices of fixed-width buffers, as the engine's are: Triton also specializes a stride
+    divisible by 16, which fresh per-launch buffers would meet (2 rows x 2 heads x 328 keys)."""
     import triton
 
-    from hf_sparsespec.kernels.keyed_sample import keyed_uniform, position_keys
+    from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
     from hf_sparsespec.kernels.pillar_select import pillar_scores_into
+    from hf_sparsespec.kernels.tempered_softmax import tempered_softmax
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         pytest.skip("needs triton.knobs.runtime.jit_cache_hook (Triton >= 3.4)")
 
-    all_context_lens = [300 + 37 * r for r in range(29)]
+    capacity, vocab = 40, 151_936
+    all_context_lens = [300 + 37 * r for r in range(capacity)]
     k_cache, v_cache, all_pages = make_paged_kv(all_context_lens, 16, 2, 128, BF16, "cuda")
-    all_scores = torch.empty(29, 2, 1400, device="cuda")
+    all_scores = torch.empty(capacity, 2, 1800, device="cuda")
 
     def score(num_rows):
         context_lens, q_lens = all_context_lens[:num_rows], [9] * num_rows
@@ -183,20 +186,30 @@ def test_a_shrinking_tail_compiles_no_scoring_or_key_hashing_kernel_again():
         qs, cl = i32(starts, "cuda"), i32(context_lens, "cuda")
         _, lse = paged_attention(query, k_cache, v_cache, page_table, qs, cl, 128**-0.5)
         num_old = i32([c - q for c, q in zip(context_lens, q_lens)], "cuda")
-        pillar_scores_into(query, k_cache, page_table, qs, lse, num_old, all_scores[:num_rows], 128**-0.5)
+        pillar_scores_into(query, k_cache, page_table, qs, lse, num_old, all_scores[:num_rows], 128**-0.5, 9,
+                           max_rows=capacity)  # fmt: skip
 
-    score(29)
-    keyed_uniform(torch.randint(0, 2**30, (29 * 9, 2), device="cuda"))
-    position_keys(torch.randint(0, 2**30, (29, 2), device="cuda"), torch.arange(29, device="cuda"))
+    def sample(num_logits):
+        logits = torch.randn(num_logits, vocab, device="cuda").to(BF16)
+        keyed_sample(tempered_softmax(logits, 0.65), torch.randint(0, 2**30, (num_logits, 2), device="cuda"))
+
+    def hash_keys(num_rows):
+        keyed_uniform(torch.randint(0, 2**30, (num_rows * 9 - 8, 2), device="cuda"))
+        position_keys(torch.randint(0, 2**30, (num_rows, 2), device="cuda"), torch.arange(num_rows, device="cuda"))
+
+    score(36)
+    sample(36 * 9)  # a few splits a row
+    hash_keys(36)
     compiled, previous = [], runtime.jit_cache_hook
     runtime.jit_cache_hook = lambda *args, **kwargs: compiled.append(str(kwargs.get("repr", "?"))[:200])
     try:
-        for num_rows in (16, 7, 2, 1):
+        for num_rows in (32, 16, 7, 2, 1):
             score(num_rows)
-            keyed_uniform(torch.randint(0, 2**30, (num_rows * 9 - 8, 2), device="cuda"))
-            position_keys(torch.randint(0, 2**30, (num_rows, 2), device="cuda"), torch.arange(num_rows, device="cuda"))
+            sample(num_rows * 9 + 3)  # up to one split per block of the vocabulary
+            hash_keys(num_rows)
     finally:
         runtime.jit_cache_hook = previous
-    kernels = ("_pillar_scores_kernel", "_keyed_uniform_kernel", "_position_keys_kernel")
+    kernels = ("_pillar_scores_kernel", "_keyed_uniform_kernel", "_position_keys_kernel", "_fold_splits_kernel",
+               "_keyed_sample_kernel", "_softmax_partials_kernel", "_softmax_write_kernel")  # fmt: skip
     again = [name for name in compiled if any(kernel in name for kernel in kernels)]
     assert not again, f"compiled again: {again}"

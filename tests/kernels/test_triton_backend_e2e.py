@@ -51,3 +51,27 @@ def test_top_k_top_p_sampling_on_triton_backend_draws_the_unfused_tokens(device,
         lambda: model.generate(input_ids=ids, attention_mask=mask, **sample),
     )  # fmt: skip
     assert (out[:, 14:] != 7).all()
+
+
+def test_every_scoring_launch_pads_its_rows_to_the_workspace(device, monkeypatch):
+    """The engine passes its scores workspace's rows as `max_rows` to every scoring launch, whatever
+    the iteration's verifications (eager and, on a GPU, compiled: one compiled kernel for them all)."""
+    from hf_sparsespec.kernels import triton_backend
+
+    launches, score = [], triton_backend.pillar_scores_into
+
+    def recording(query, k_cache, page_table, *args, max_rows=None, **kwargs):
+        launches.append((page_table.shape[0], max_rows))
+        return score(query, k_cache, page_table, *args, max_rows=max_rows, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "pillar_scores_into", recording)
+    model = tiny_model("qwen2").float().to(device)
+    ids, mask = (x.to(device) for x in ragged_batch([9, 14, 6]))
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, backend="triton")
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
+                       generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
+    capacities = {max_rows for _, max_rows in launches}
+    assert len(capacities) == 1 and None not in capacities
+    assert all(rows <= max_rows for rows, max_rows in launches)
+    assert len({rows for rows, _ in launches}) > 1  # the iterations did differ in verifications
