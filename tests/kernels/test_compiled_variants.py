@@ -22,7 +22,10 @@ class VariantRecorder:
 
     def __init__(self, kernel):
         self.arg_names = kernel.arg_names
-        self.not_specialized = set(kernel.kwargs.get("do_not_specialize") or ())
+        if hasattr(kernel, "params"):  # a JITFunction (GPU)
+            self.not_specialized = {param.name for param in kernel.params if param.do_not_specialize}
+        else:  # the interpreter's InterpretedFunction (CPU)
+            self.not_specialized = set(kernel.kwargs.get("do_not_specialize") or ())
         self.variants: list[tuple] = []
 
     def __getitem__(self, grid):
