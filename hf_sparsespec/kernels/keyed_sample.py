@@ -34,7 +34,7 @@ from hf_sparsespec.kernels.attention_plan import num_sms
 _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _POSITION_SALT = 0x9E3779B9
-MAX_VOCAB_BLOCK = 4096  # vocabulary entries a row-wise pass loads at once
+MAX_VOCAB_BLOCK = 4096  # the most vocabulary entries a row-wise pass loads at once
 SAMPLE_PROGRAMS_PER_SM = 8  # keyed_sample splits each row's vocabulary until rows x splits reach this per SM
 # keys per program of position_keys and keyed_uniform whatever their number: one compiled variant each
 # (a batch's tail hashes ever fewer rows; a block sized from n would compile each new size again)
@@ -232,20 +232,25 @@ def keyed_uniform(keys: torch.Tensor) -> torch.Tensor:
 def vocabulary_splits(num_rows: int, vocab: int, programs_per_sm: int, device: torch.device) -> tuple[int, int, int]:
     """`(block, split_size, num_splits)` of a row-wise pass over `[num_rows, vocab]`: each row's vocabulary
     in splits of whole blocks, as many as bring rows x splits to `programs_per_sm` per SM (0: one split)."""
-    block = min(MAX_VOCAB_BLOCK, triton.next_power_of_2(vocab))
+    block = vocabulary_block(vocab)
     num_blocks = triton.cdiv(vocab, block)
     wanted = triton.cdiv(programs_per_sm * num_sms(device), num_rows)
     split_size = triton.cdiv(num_blocks, max(1, min(num_blocks, wanted))) * block
     return block, split_size, triton.cdiv(vocab, split_size)
 
 
+def vocabulary_block(vocab: int) -> int:
+    """Vocabulary entries a row-wise pass loads at once (a split is a whole number of them)."""
+    return min(MAX_VOCAB_BLOCK, triton.next_power_of_2(vocab))
+
+
 def splits_block(vocab: int) -> int:
     """The compile-time width over a row's splits (`BLOCK_S` of the kernels that fold them): a power of 2
     that holds the most splits `vocabulary_splits` gives the vocabulary (one per block). It depends on the
     vocabulary alone, not on the rows: an iteration with new row counts (a batch's ramp and tail) would
-    otherwise compile those kernels again in the middle of decoding (0.11 s at iteration 186 of a
-    256 x 2048 run, docs/measurements.md 25)."""
-    return triton.next_power_of_2(triton.cdiv(vocab, min(MAX_VOCAB_BLOCK, triton.next_power_of_2(vocab))))
+    otherwise compile those kernels again in the middle of decoding (the fold: 0.11 s in a 256 x 2048 run,
+    docs/measurements.md 25)."""
+    return triton.next_power_of_2(triton.cdiv(vocab, vocabulary_block(vocab)))
 
 
 def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

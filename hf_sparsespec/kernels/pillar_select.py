@@ -319,7 +319,8 @@ def pillar_scores_into(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], MIN_KEYS_PER_CHUNK=min_keys,
         PREFERRED_KEYS_PER_CHUNK=SCORE_PREFERRED_KEYS_PER_CHUNK,
-        ROWS_PAD=score_rows_pad(num_rows if max_rows is None else max_rows), INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
+        ROWS_PAD=score_rows_pad(num_rows if max_rows is None else max_rows),
+        INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
 
@@ -400,8 +401,8 @@ def update_selection(
 ) -> None:
     """One layer's PillarAttn refresh on Triton: scores into the workspace `scores [num_rows,
     num_kv_heads, width]`, then the top keys straight into `selected[slots]` (no host syncs).
-    `max_queries`, `max_rows`: as in `pillar_scores_into` (the verification block size, the workspace rows). `"diagonal"`: also the
-    moved-key offsets into `offsets[slots]` (`[num_slots, num_kv_heads, num_entries]` int32), through
+    `max_queries`, `max_rows`: as in `pillar_scores_into` (the verification block size, the workspace
+    rows). `"diagonal"`: also the moved-key offsets into `offsets[slots]` (`[num_slots, num_kv_heads, num_entries]` int32), through
     the int64 workspace `best [num_rows, num_kv_heads, num_entries]` (zeros, and left zeroed)."""
     pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
                        best=best, max_rows=max_rows)  # fmt: skip

@@ -159,8 +159,8 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
     """A batch's ramp and tail launch the scoring pass over other numbers of verifications, and hash,
     draw and normalise over other numbers of rows: after one launch of each, other row counts (a
     single row too, which Triton would specialize) must reuse the compiled kernels (256 x 8192 runs
-    compiled them again at iterations 8,752 and 8,642; a 256 x 2048 run the scoring and fold kernels at
-    iteration 186, from 36 verifications to 32: docs/measurements.md 25). The page table and the scores
+    compiled them again at iterations 8,752 and 8,642; a 256 x 2048 run the scoring and fold kernels
+    mid-run, from 36 verifications to 32: docs/measurements.md 25). The page table and the scores
     are row slices of fixed-width buffers, as the engine's are: Triton also specializes a stride
     divisible by 16, which fresh per-launch buffers would meet (2 rows x 2 heads x 328 keys)."""
     import triton
