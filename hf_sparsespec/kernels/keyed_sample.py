@@ -259,7 +259,9 @@ def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     A few hundred rows would leave most of the GPU idle at one program per row (a draft iteration's
     rows over a 150K vocabulary), so each row's vocabulary is split over enough programs to fill the
     device; a second launch keeps each row's best split (the earliest on ties, so the token is the
-    reference's: the first index of the maximum).
+    reference's: the first index of the maximum). A vocabulary of more than one block always takes
+    the split launches, one split a row too (many rows): which kernels run depends on the vocabulary,
+    not on the rows, so no row count compiles a variant in the middle of decoding.
 
     Args:
         probs: `[num_rows, vocab]` fp16/bf16/fp32 unnormalised probabilities (>= 0), unit stride over vocab.
@@ -277,7 +279,7 @@ def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SAMPLE_PROGRAMS_PER_SM, probs.device)
     warps = 4 if block >= 1024 else 1
-    if num_splits == 1:
+    if block >= vocab:  # one block: one split whatever the rows
         _keyed_sample_kernel[(num_rows, 1)](
             probs, keys, out, out, vocab, split_size, probs.stride(0), keys.stride(0), BLOCK_V=block, SPLIT=False,
             num_warps=warps,
