@@ -1,6 +1,6 @@
 """Launches with different row counts (a batch's ramp and tail) must reuse one compiled kernel: a new
 compile-time constant or integer specialization compiles the kernel again in the middle of decoding
-(1.7 s at iteration 186 of a 256 x 2048 run: the scoring and fold kernels, docs/measurements.md 25).
+(1.7 s in a 256 x 2048 run: the scoring and fold kernels, docs/measurements.md 25).
 
 Each kernel is replaced by a recorder of what Triton keys its compiled variants on (the constexprs,
 the `== 1` and divisibility-by-16 specialization of integer arguments not in `do_not_specialize`,
