@@ -166,3 +166,39 @@ def test_the_ideal_iteration_is_priced_at_the_runs_roofline():
     flops = 2 * c.linear_params * 9 + 2 * c.lm_head * 2 + 4 * c.q_heads * c.head_dim * c.layers * 600
     assert c.seconds == [pytest.approx((c.weight_bytes + kv) / 1e9)] and c.kv_bytes == [kv]
     assert counters[1].seconds == [pytest.approx(flops / 1e9)]
+
+
+def test_the_cost_fit_recovers_each_runs_line_and_their_crossover(tmp_path, capsys):
+    """iteration_cost_fit.py: from iterations that cost exactly a + b x context (full batch, after a
+    ramp it skips), the fit returns a and b, the crossover is where the per-token costs meet, and
+    the table prints one line per run."""
+    import json
+
+    import iteration_cost_fit as fit
+
+    batch, iterations = 4, 400
+
+    def run(intercept, slope, per_row):  # context after i full-batch iterations: i x per_row tokens
+        rows = [batch] * iterations
+        gpu_ms = [intercept + slope * i * per_row / 1000 for i in range(iterations)]
+        gpu_ms[:10] = [99.0] * 10  # the ramp, skipped
+        tokens = per_row * iterations * batch
+        return dict(iteration_gpu_ms=gpu_ms, iteration_rows=rows, tokens=tokens, iterations=iterations,
+                    full_batch_tokens_per_s=tokens, full_batch_seconds=1.0)  # fmt: skip
+
+    results = {"ar_compiled": run(4.0, 2.0, 1.0), "pillar": run(7.0, 0.5, 0.9)}
+    a, b = (fit.fit_run(name, r, batch, skip=10) for name, r in results.items())
+    assert (a.intercept_ms, a.slope_ms_per_k, a.tokens_per_row_iteration) == pytest.approx((4.0, 2.0, 1.0))
+    assert (b.intercept_ms, b.slope_ms_per_k, b.tokens_per_row_iteration) == pytest.approx((7.0, 0.5, 0.9))
+    crossing = fit.crossover_k(b, a)
+    assert b.ms_per_token(crossing) == pytest.approx(a.ms_per_token(crossing))
+    assert fit.crossover_k(a, a) == 0.0 and fit.crossover_k(a, b) == 0.0  # a is cheaper from the start
+    assert fit.crossover_k(b, fit.CostFit("flat", 1.0, 0.1, 1.0, 2)) is None
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"meta": {"args": {"batch": str(batch)}}, "runs": results}))
+    sys.argv = ["iteration_cost_fit.py", str(path)]
+    fit.main()
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 4 and table[3].endswith(f"| {crossing:.2f} |")
+    with pytest.raises(ValueError, match="fewer than 2 full-batch iterations"):
+        fit.fit_run("pillar", results["pillar"], batch, skip=iterations)

@@ -1,0 +1,100 @@
+"""Where SparseSpec's iteration starts to beat our autoregressive mode per token: a straight-line fit of
+each run's device ms per iteration against the generated context, from e2e_throughput.py's JSON.
+
+    python benchmarks/iteration_cost_fit.py docs/results/e2e_throughput_qwen15_256x8192_compiled_h100_run23.json
+
+Per run, over the iterations while the batch is full (past the first `--skip` ones): device ms per
+iteration = intercept + slope x generated context (thousands of tokens per request), the context
+estimated as the iteration index x the run's tokens per request-iteration while the batch is full
+(`full_batch_tokens_per_s` x `full_batch_seconds` / full-batch iterations / batch: ~1 for AR,
+~(accepted + 1) / (k + 1) for SparseSpec). Dividing by the tokens per
+request-iteration gives the cost per generated token; the crossover is the generated context past
+which the drafting run's token costs less than the baseline's (`--baseline`, default `ar_compiled`).
+Prints a table; the fit says what an iteration costs before any context (the fixed cost: weights,
+GEMMs over the iteration's tokens, sampling, launches) and what each thousand tokens of context adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class CostFit:
+    run: str
+    intercept_ms: float  # device ms of an iteration at no generated context
+    slope_ms_per_k: float  # device ms each 1,000 tokens of generated context add
+    tokens_per_row_iteration: float
+    iterations_fitted: int
+
+    def ms_per_token(self, context_k: float) -> float:
+        """Device ms per generated token of one full batch's iteration at `context_k` thousand tokens."""
+        return (self.intercept_ms + self.slope_ms_per_k * context_k) / self.tokens_per_row_iteration
+
+
+def fit_run(run: str, result: dict, batch: int, skip: int) -> CostFit:
+    """The straight-line fit of one run's full-batch iterations (see the module docstring)."""
+    gpu_ms = np.asarray(result["iteration_gpu_ms"], dtype=np.float64)
+    rows = np.asarray(result["iteration_rows"])
+    index = np.arange(len(gpu_ms))
+    full = rows == batch
+    per_row = result["full_batch_tokens_per_s"] * result["full_batch_seconds"] / full.sum() / batch
+    keep = full & (index >= skip)
+    if keep.sum() < 2:
+        raise ValueError(f"{run}: fewer than 2 full-batch iterations past the first {skip}")
+    context_k = index[keep] * per_row / 1000
+    design = np.stack([np.ones_like(context_k), context_k], axis=1)
+    (intercept, slope), *_ = np.linalg.lstsq(design, gpu_ms[keep], rcond=None)
+    return CostFit(run, float(intercept), float(slope), float(per_row), int(keep.sum()))
+
+
+def crossover_k(run: CostFit, baseline: CostFit) -> float | None:
+    """The generated context (thousands of tokens) at which `run`, dearer per token than `baseline` at
+    no context, costs the same as it (cheaper past it); 0.0 if `run` is no dearer at no context;
+    None if it starts dearer and never catches up."""
+    gain = (
+        baseline.slope_ms_per_k / baseline.tokens_per_row_iteration - run.slope_ms_per_k / run.tokens_per_row_iteration
+    )
+    start = run.intercept_ms / run.tokens_per_row_iteration - baseline.intercept_ms / baseline.tokens_per_row_iteration
+    if start <= 0:
+        return 0.0
+    if gain <= 0:
+        return None
+    return start / gain
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, nargs="+", help="e2e_throughput.py JSON files")
+    parser.add_argument("--baseline", default="ar_compiled")
+    parser.add_argument("--skip", type=int, default=50, help="iterations left out at the start (the ramp)")
+    args = parser.parse_args()
+    lines = [
+        "| results | run | ms / iter at no context | + ms per 1K context | tokens / request-iteration | "
+        "ms / token at 0 / 2K / 8K | crossover (generated K tokens) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in args.results:
+        data = json.loads(path.read_text())
+        runs = data["runs"]
+        batch = int(data["meta"]["args"]["batch"])
+        fits = {name: fit_run(name, r, batch, args.skip) for name, r in runs.items() if r.get("iteration_gpu_ms")}
+        baseline = fits.get(args.baseline)
+        for name, fit in fits.items():
+            cross = "-"
+            if baseline is not None and name != args.baseline:
+                value = crossover_k(fit, baseline)
+                cross = "never" if value is None else f"{value:.2f}"
+            costs = " / ".join(f"{fit.ms_per_token(c):.2f}" for c in (0, 2, 8))
+            lines.append(f"| {path.name} | {name} | {fit.intercept_ms:.2f} | {fit.slope_ms_per_k:.2f} | "
+                         f"{fit.tokens_per_row_iteration:.3f} | {costs} | {cross} |")  # fmt: skip
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
