@@ -34,7 +34,6 @@ from hf_sparsespec.batch import HostBatch, StepShape, aligned
 from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
-from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
 from hf_sparsespec.ops import ScoringAside, scoring_stream
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
@@ -320,11 +319,9 @@ class ModelRunner:
             prefix_len = prefix_len + shift[f["logits_row"].long()]
         if self.induction and shape.num_single_rows:  # after the shift: each draft's own position and token
             reads = single_write - 1  # each draft row's last token, the one it reads
-            store = self.cache.moved_offsets[..., self.verify_moves :]  # after the diagonal's entries, if any
-            offsets = induction_offsets(self.token_buffer, reads, f["single_row_base"].long(),
-                                        f["single_recent_start"], store.shape[-1])  # fmt: skip
-            slots = torch.div(f["single_row_base"].long(), self.token_buffer.shape[1], rounding_mode="floor")
-            write_induction_offsets(store, slots, offsets, self.cache.moved_offsets[..., : self.verify_moves])
+            # the store's entries after the diagonal's (if any)
+            self.backend.write_induction_keys(self.cache.moved_offsets, self.verify_moves, self.token_buffer, reads,
+                                              f["single_row_base"].long(), f["single_recent_start"])  # fmt: skip
         compiled = self._compiles(shape)
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
         # instead and must see the same ints when replayed as when captured (or it would recompile there)

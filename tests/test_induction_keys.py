@@ -13,9 +13,10 @@ from models import assert_greedy_equal, ragged_batch, tiny_model
 
 import hf_sparsespec  # noqa: F401  (registers the strategy)
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.kernels import induction_keys
+from hf_sparsespec.kernels.backend import TorchBackend
 from hf_sparsespec.kernels.induction_keys import induction_offsets, write_induction_offsets
 from hf_sparsespec.kernels.moved_keys import NO_OFFSET
+from hf_sparsespec.kernels.triton_backend import TritonBackend
 
 
 def loop_reference(tokens, slots, paddings, positions, recent_starts, num_entries):
@@ -91,6 +92,19 @@ def test_store_drops_the_offsets_the_diagonal_entries_hold():
     assert (store[:, [0, 2]] == -1).all() and diagonal[0, 1, 0].tolist() == [-4, -9]
 
 
+def spy_on_induction_writes(monkeypatch, record) -> None:
+    """Call `record(moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start)` before
+    every backend's `write_induction_keys`."""
+    for backend in (TorchBackend, TritonBackend):
+        original = backend.write_induction_keys
+
+        def spy(self, *args, original=original):
+            record(*args)
+            original(self, *args)
+
+        monkeypatch.setattr(backend, "write_induction_keys", spy)
+
+
 K4 = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction", num_induction_keys=4)
 NAIVE_SYNC = SparseSpecConfig(num_draft_tokens=6, min_budget=2, page_size=2, selection="induction", scheduler="naive",
                               delayed_verification=False)  # fmt: skip
@@ -108,13 +122,12 @@ def test_greedy_equals_plain_generate_and_the_lookups_find_keys(config, backend,
     prompt gives every lookup matches (some old, so attended). The Triton backend (the interpreter on
     CPU, ~25 s a case) runs the delayed and the synchronous schedule."""
     found = []
-    original = induction_keys.write_induction_offsets
 
-    def spy(store, slots, offsets, taken=None):
+    def looked_up(moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start):
+        offsets = induction_offsets(token_buffer, input_index, row_base, recent_start, moved_offsets.shape[-1] - num_taken)
         found.append(int((offsets != NO_OFFSET).sum()))
-        original(store, slots, offsets, taken)
 
-    monkeypatch.setattr("hf_sparsespec.runner.write_induction_offsets", spy)
+    spy_on_induction_writes(monkeypatch, looked_up)
     model = tiny_model("qwen2")
     ids, mask = ragged_batch([9, 14, 5])
     ids[:, -6:] = torch.tensor([3, 4, 5, 3, 4, 5])  # repeated tokens: matches from the start
@@ -145,11 +158,8 @@ def test_induction_diagonal_fills_both_parts_of_the_store_and_equals_plain_gener
     from hf_sparsespec.sampling import LogitsPipeline
     from hf_sparsespec.scheduler import Request
 
-    widths = []  # of the store views the lookups write: the induction part alone
-    original = induction_keys.write_induction_offsets
-    monkeypatch.setattr("hf_sparsespec.runner.write_induction_offsets",
-                        lambda store, slots, offsets, taken=None: widths.append(store.shape[-1])
-                        or original(store, slots, offsets, taken))  # fmt: skip
+    widths = []  # of the store parts the lookups write: the induction part alone
+    spy_on_induction_writes(monkeypatch, lambda store, num_taken, *rest: widths.append(store.shape[-1] - num_taken))
     model = tiny_model("qwen2")
     ids, mask = ragged_batch([9, 14, 5])
     ids[:, -6:] = torch.tensor([3, 4, 5, 3, 4, 5])

@@ -11,8 +11,9 @@ reference already while scoring), and the sampler's `keyed_sample` (one token pe
 noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
 acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
 the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p without sorting
-the vocabulary) and `store_rows` (the drafts' distributions into their store; rows indexed -1
-skipped). The Triton calls never read device memory back (CUDA-graph safe).
+the vocabulary), `store_rows` (the drafts' distributions into their store; rows indexed -1
+skipped) and `write_induction_keys` (the `"induction"` selection's lookup of every draft row's
+induction keys into the moved-key store, `induction_keys.py`). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from hf_sparsespec.kernels.induction_keys import write_induction_keys_ref
 from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
@@ -60,6 +62,9 @@ class AttentionBackend(Protocol):
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor: ...
 
     def store_rows(self, dst, index, src) -> None: ...
+
+    def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base,
+                             recent_start) -> None: ...  # fmt: skip
 
 
 class TorchBackend:
@@ -111,6 +116,9 @@ class TorchBackend:
 
     def store_rows(self, dst, index, src) -> None:
         store_rows_ref(dst, index, src)
+
+    def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start):
+        write_induction_keys_ref(moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

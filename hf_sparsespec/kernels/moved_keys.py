@@ -20,7 +20,7 @@ entry with `0 <= q + offset < recent_start` (later keys are in the recent window
 entry whose key equals an earlier entry's or one of the PillarAttn selection's (deduplicated: a key
 attended twice would get twice its weight). `NO_OFFSET` is far enough below 0 that it never passes.
 Equal offsets are equal keys whatever the query, so the writers drop repeats once per list
-(`unique_offsets`: `store_moved_offsets` within the diagonal's entries, `write_induction_offsets`
+(`unique_offsets`: `store_moved_offsets` within the diagonal's entries, `write_induction_keys`
 against them), and the Triton draft kernels only look for the selection's keys (an in-kernel
 comparison of every entry with every earlier one cost ~10-17 us of a 20-70 us layer on the H200:
 docs/measurements.md 23). The references deduplicate both ways, whatever the store holds.

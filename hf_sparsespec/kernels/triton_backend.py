@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
+from hf_sparsespec.kernels.induction_keys import write_induction_keys
 from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import pillar_scores_into, select_verified_keys
@@ -69,3 +70,6 @@ class TritonBackend:
 
     def store_rows(self, dst, index, src) -> None:
         store_rows(dst, index, src)
+
+    def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start):
+        write_induction_keys(moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start)
