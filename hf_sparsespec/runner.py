@@ -53,7 +53,8 @@ class StepViews:
     """Device views of one shape's fields in the metadata buffer, and their offsets in the staging buffers."""
 
     shape: StepShape
-    fields: dict[str, torch.Tensor]
+    fields: dict[str, torch.Tensor]  # int32
+    wide: dict[str, torch.Tensor]  # the same fields as int64 (indices), filled by one copy per step
     offsets: dict[str, tuple[int, int]]  # (start, count) of each field in the staging buffers
     size: int
 
@@ -121,6 +122,7 @@ class ModelRunner:
         self.staging_uploaded: list[torch.cuda.Event | None] = [None, None]
         self.staging_index = 0
         self.metadata = torch.zeros(size, dtype=torch.int32, device=device)
+        self.metadata_wide = torch.zeros(size, dtype=torch.long, device=device)  # its int64 copy, for indexing
         # the one-token rows' tokens: as many as an iteration has rows at most (a bucket may pad past the slots)
         num_results = largest.num_verify_rows * (k + 2) + largest.num_rows + largest.num_prefill_samples
         self.results = torch.zeros(num_results, dtype=torch.long, device=device)
@@ -215,20 +217,20 @@ class ModelRunner:
 
     # --- buffers ----------------------------------------------------------------------------------
     def _views(self, shape: StepShape) -> StepViews:
-        fields, offsets, offset = {}, {}, 0
+        offsets, offset = {}, 0
         for name, count in shape.fields():
-            fields[name] = self.metadata[offset : offset + count]
             offsets[name] = (offset, count)
             offset += aligned(count)
         n = shape.num_logits
-        fields["work"] = fields["work"].view(-1, 5)
-        fields["merge"] = fields["merge"].view(-1, 5)
-        fields["draft_index"] = fields["draft_index"].view(shape.num_verify_rows, self.k)
-        fields["draft_prob_row"] = fields["draft_prob_row"].view(-1)
-        fields["logits_params"] = fields["logits_params"].view(shape.num_params, n)
-        fields["logits_stream"] = fields["logits_stream"].view(n, 2)
-        fields["accept_key"] = fields["accept_key"].view(shape.num_verify_rows, self.k, 2)
-        return StepViews(shape, fields, offsets, offset)
+        views = {"work": (-1, 5), "merge": (-1, 5), "draft_index": (shape.num_verify_rows, self.k),
+                 "logits_params": (shape.num_params, n), "logits_stream": (n, 2),
+                 "accept_key": (shape.num_verify_rows, self.k, 2)}  # fmt: skip
+
+        def fields_of(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+            fields = {name: buffer[start : start + count] for name, (start, count) in offsets.items()}
+            return fields | {name: fields[name].view(view) for name, view in views.items()}
+
+        return StepViews(shape, fields_of(self.metadata), fields_of(self.metadata_wide), offsets, offset)
 
     def _upload(self, batch: HostBatch, views: StepViews) -> None:
         """Fill a staging buffer, copy it to the device at once, apply the new page-table entries."""
@@ -292,36 +294,39 @@ class ModelRunner:
     # --- the device step ----------------------------------------------------------------------------
     def _step(self, views: StepViews, batch: HostBatch | None) -> None:
         """One iteration on the device (eager, or recorded into a graph when `batch` is None)."""
-        shape, f = views.shape, views.fields
+        shape, f, w = views.shape, views.fields, views.wide
         spec = shape.spec_len
         flat_tokens = self.token_buffer.view(-1)
+        # the index fields as int64, one copy for all of them (the forward's own inputs are copies of
+        # their own below: a compiled forward must see fresh tensors every iteration, shifted or not)
+        self.metadata_wide[: views.size].copy_(self.metadata[: views.size])
         if self.selection == "streaming" and shape.num_verify_rows:
-            self._write_streaming_selection(f)
-        position, input_index, kv_slot = f["position"].long(), f["input_index"].long(), f["kv_slot"].long()
+            self._write_streaming_selection(w)
+        position, input_index, kv_slot = f["position"].long(), w["input_index"], f["kv_slot"].long()
         # a copy, not a view of the metadata buffer, whether shifted below or not: a compiled forward
         # guards on its inputs' aliasing, and a view in one iteration and a fresh tensor in the next
         # (shifted shapes) recompiled the whole forward
         context_lens = f["context_len"].clone()
-        single_write, prefix_len = f["single_write"].long(), f["logits_prefix_len"].long()
+        single_write, prefix_len = w["single_write"], w["logits_prefix_len"]
         if shape.shifted:  # speculative rows: add the accepted counts of the previous iteration's verifications
-            index = f["shift_index"].long()
+            index = w["shift_index"]
             shift = torch.where(index >= 0, self.results[index.clamp(min=0)], 0)
             shift = torch.cat([shift, shift.new_zeros(1)])  # row `num_rows`: padding, never shifted
-            token_row = f["token_row"].long()
+            token_row = w["token_row"]
             token_shift = shift[token_row]
             position, input_index = position + token_shift, input_index + token_shift
-            slots = torch.cat([f["row_slot"], f["row_slot"].new_full((1,), self.num_slots)]).long()[token_row]
+            slots = torch.cat([w["row_slot"], w["row_slot"].new_full((1,), self.num_slots)])[token_row]
             page = self.page_table[slots, position // self.cache.page_size].long()
             moved = page * self.cache.page_size + position % self.cache.page_size
             kv_slot = torch.where(token_shift != 0, moved, kv_slot)
             context_lens = (context_lens + shift[: shape.num_rows]).to(torch.int32)
-            single_write = single_write + shift[f["single_row"].long()]
-            prefix_len = prefix_len + shift[f["logits_row"].long()]
+            single_write = single_write + shift[w["single_row"]]
+            prefix_len = prefix_len + shift[w["logits_row"]]
         if self.induction and shape.num_single_rows:  # after the shift: each draft's own position and token
             reads = single_write - 1  # each draft row's last token, the one it reads
             # the store's entries after the diagonal's (if any)
             self.backend.write_induction_keys(self.cache.moved_offsets, self.verify_moves, self.token_buffer, reads,
-                                              f["single_row_base"].long(), f["single_recent_start"])  # fmt: skip
+                                              w["single_row_base"], f["single_recent_start"])  # fmt: skip
         compiled = self._compiles(shape)
         # the host count of full rows feeds the reference backend; a compiled forward reads the tensor
         # instead and must see the same ints when replayed as when captured (or it would recompile there)
@@ -372,9 +377,9 @@ class ModelRunner:
         # Verifications sample inside the acceptance; one-token rows and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         rows = LogitsRows(
-            slot=f["logits_slot"].long(),
+            slot=w["logits_slot"],
             prefix_len=prefix_len,
-            params=f["logits_params"].long(),
+            params=w["logits_params"],
             host=batch.host_rows if batch is not None else None,
         )
         temperature, truncation = self.pipeline.fused_temperature, self.pipeline.fused_truncation
@@ -401,13 +406,13 @@ class ModelRunner:
 
         results = []
         if v:
-            draft_tokens = flat_tokens[f["draft_index"].long()]  # [v, k]
-            num_drafts = f["num_drafts"].long()
+            draft_tokens = flat_tokens[w["draft_index"]]  # [v, k]
+            num_drafts = w["num_drafts"]
             if probs is None:
                 targets = scores[: v * spec].argmax(dim=-1).view(v, spec)
                 accepted, next_token = accept_greedy(draft_tokens, num_drafts, targets)
             else:
-                draft_rows = f["draft_prob_row"].long().view(v, self.k)
+                draft_rows = w["draft_prob_row"].view(v, self.k)
                 draft_probs = self.draft_probs if self.draft_probs is not None else probs.new_zeros((0, probs.shape[1]))
                 target_keys = keys[: v * spec].view(v, spec, 2)
                 verify_rows = torch.arange(v, device=self.device)
@@ -419,7 +424,7 @@ class ModelRunner:
                                                       draft_probs, self.backend.keyed_uniform(f["accept_key"]), sample,
                                                       draft_rows)  # fmt: skip
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
-            flat_tokens[f["verify_base"].long() + accepted] = next_token
+            flat_tokens[w["verify_base"] + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
         if s:  # plain steps' tokens are committed, drafts' verified later: the next rows read both
             single_probs = probs[v * spec : v * spec + s] if probs is not None else None
@@ -427,7 +432,7 @@ class ModelRunner:
             results.append(tokens[:s])
         if shape.num_prefill_samples:
             first = tokens[s:]
-            flat_tokens[f["prefill_write"].long()] = first
+            flat_tokens[w["prefill_write"]] = first
             results.append(first)
         if results:
             values = torch.cat(results)
@@ -460,17 +465,17 @@ class ModelRunner:
             num_kv_heads=self.cache.num_kv_heads, part_out=self.part_out, part_lse=self.part_lse,
         )  # fmt: skip
 
-    def _write_streaming_selection(self, f: dict) -> None:
+    def _write_streaming_selection(self, w: dict) -> None:
         """Streaming baseline: each verification's request keeps its first sink tokens and the newest
         keys before the block, in every layer (positions >= the budget are unused)."""
-        budget = f["budget"].long()[:, None]
-        first = f["verify_first_position"].long()[:, None]
+        budget = w["budget"][:, None]
+        first = w["verify_first_position"][:, None]
         index = torch.arange(self.cache.selected.shape[-1], device=self.device)[None, :]
         sink = torch.clamp(budget, max=self.num_sink_tokens)
         positions = torch.where(index < sink, index, first - budget + index).to(torch.int32)  # [v, max_budget]
         selected = self.cache.selected
         expanded = positions[None, :, None, :].expand(selected.shape[0], -1, selected.shape[2], -1)
-        selected.index_copy_(1, f["verify_slot"].long(), expanded)
+        selected.index_copy_(1, w["verify_slot"], expanded)
 
     def _compiles(self, shape: StepShape) -> bool:
         """Whether the forward of `shape` runs compiled: padded decode shapes with verification rows
