@@ -202,3 +202,22 @@ def test_the_cost_fit_recovers_each_runs_line_and_their_crossover(tmp_path, caps
     assert len(table) == 4 and table[3].endswith(f"| {crossing:.2f} |")
     with pytest.raises(ValueError, match="fewer than 2 full-batch iterations"):
         fit.fit_run("pillar", results["pillar"], batch, skip=iterations)
+
+
+def test_the_op_counter_sees_the_drafting_steps_extra_work(capsys, monkeypatch):
+    """count_step_ops.py counts the launches outside the forward: a drafting iteration's (selection,
+    acceptance, induction lookup) outnumber an autoregressive one's, and both are printed per iteration."""
+    import re
+
+    import count_step_ops
+
+    counts = {}
+    for k in (0, 4):
+        monkeypatch.setattr(sys, "argv", ["count_step_ops.py", "--k", str(k), "--warm", "6", "--iterations", "3"])
+        count_step_ops.main()
+        out = capsys.readouterr().out
+        ops, launches = re.search(r"outside the forward: ([\d.]+) torch ops \+ ([\d.]+) Triton launches", out).groups()
+        counts[k] = float(ops) + float(launches)
+        assert "3 iterations" in out
+    assert 0 < counts[0] < counts[4]
+    assert "_induction_lookup_kernel" in out and "_keyed_uniform_kernel" in out

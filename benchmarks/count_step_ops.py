@@ -1,0 +1,142 @@
+"""The device work an iteration launches outside the model's forward, counted on the CPU: torch ops
+(each a kernel on a GPU; views and allocations left out) and Triton launches, per iteration, by
+source line. The count does not depend on the device, so it can be watched without a GPU: each
+small launch costs ~2-3 us of a CUDA graph's replay on an H100 whatever its size.
+
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py --k 8 --selection induction_diagonal
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py --k 0          # our autoregressive mode
+
+A tiny random Qwen2 model (tests/models.py), 12 requests of 40-73 prompt tokens, sampling at T=0.65
+(the fused temperature path, as the end-to-end benchmark), the Triton backend (interpreted: set
+`TRITON_INTERPRET=1`), `--warm` iterations, then `--iterations` counted. Prints the totals, the
+Triton launches, and the torch ops by `hf_sparsespec` source line and by op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+# ops that launch nothing on a GPU (views, metadata, allocations)
+NO_KERNEL = ("view", "unsqueeze", "slice", "select", "expand", "squeeze", "unbind", "empty", "set_", "alias",
+             "aten.t.default", "transpose", "permute", "_reshape_alias", "as_strided", "detach", "lift_fresh")  # fmt: skip
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch ops that would launch a kernel, inside or outside the model's forward, and
+    where in hf_sparsespec they come from (ops inside the Triton interpreter are the kernels' own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_forward = False
+        self.ops: collections.Counter = collections.Counter()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not any(part in name for part in NO_KERNEL):
+            stack = traceback.extract_stack(limit=40)
+            if not any("triton/runtime/interpreter" in frame.filename for frame in stack):
+                where = "forward" if self.in_forward else "outside"
+                self.ops[(where, name)] += 1
+                if where == "outside":
+                    ours = [frame for frame in stack if "hf_sparsespec" in frame.filename]
+                    site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours else "?"
+                    self.sites[site] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--selection", default="induction_diagonal")
+    parser.add_argument("--warm", type=int, default=25)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("set TRITON_INTERPRET=1 before running (the Triton backend on the CPU)")
+    import triton.runtime.interpreter as interpreter
+    from models import tiny_model
+    from transformers import GenerationConfig
+
+    from hf_sparsespec import SparseSpecConfig
+    from hf_sparsespec.attention import use_attention
+    from hf_sparsespec.engine import Engine
+    from hf_sparsespec.generation import prepare_batch
+
+    model = tiny_model("qwen2")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (40 + 3 * i,), generator=generator).tolist() for i in range(12)]
+    n = args.warm + args.iterations + 30
+    gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                           eos_token_id=None, pad_token_id=0)  # fmt: skip
+    job = prepare_batch(model, prompts, gen)
+    fields = dict(num_draft_tokens=args.k, backend="triton")
+    if args.k:
+        fields |= dict(selection=args.selection, min_budget=8)
+    engine = Engine(model, job.requests, SparseSpecConfig(**fields), job.pipeline, job.do_sample, job.stop_checker)
+    runner, counter = engine.runner, OpCounter()
+    launches: collections.Counter = collections.Counter()
+    forward, step, run = runner._forward, runner._step, interpreter.InterpretedFunction.run
+
+    def counted_forward(*a, **kw):
+        counter.in_forward = True
+        try:
+            return forward(*a, **kw)
+        finally:
+            counter.in_forward = False
+
+    shapes = []
+
+    def counted_step(views, batch):
+        shapes.append(views.shape)
+        with counter:
+            return step(views, batch)
+
+    def counted_launch(self, *a, **kw):
+        launches[("forward" if counter.in_forward else "outside", self.fn.__name__)] += 1
+        return run(self, *a, **kw)
+
+    with use_attention(model), torch.no_grad():
+        runner._forward = counted_forward
+        for _ in range(args.warm):
+            engine.step()
+        runner._step = counted_step
+        interpreter.InterpretedFunction.run = counted_launch
+        try:
+            for _ in range(args.iterations):
+                engine.step()
+        finally:
+            interpreter.InterpretedFunction.run = run
+    count = len(shapes)
+    totals = collections.Counter()
+    for (where, _), value in counter.ops.items():
+        totals[where] += value
+    triton_outside = sum(v for (where, _), v in launches.items() if where == "outside")
+    print(f"k={args.k} selection={args.selection if args.k else '-'}: {count} iterations "
+          f"(verify / one-token rows: {[(s.num_verify_rows, s.num_single_rows) for s in shapes]})")  # fmt: skip
+    print(f"per iteration outside the forward: {totals['outside'] / count:.1f} torch ops + "
+          f"{triton_outside / count:.1f} Triton launches; inside (eager, 2 layers): {totals['forward'] / count:.1f} "
+          f"torch ops")  # fmt: skip
+    print("Triton launches per iteration:", {f"{w}:{k}": v / count for (w, k), v in sorted(launches.items())})
+    print("torch ops outside the forward by line:")
+    for site, value in counter.sites.most_common(args.top):
+        print(f"  {value / count:5.1f}  {site}")
+    print("torch ops outside the forward by op:")
+    for (where, name), value in counter.ops.most_common():
+        if where == "outside":
+            print(f"  {value / count:5.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
