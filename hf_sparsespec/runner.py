@@ -309,19 +309,11 @@ class ModelRunner:
         context_lens = f["context_len"].clone()
         single_write, prefix_len = w["single_write"], w["logits_prefix_len"]
         if shape.shifted:  # speculative rows: add the accepted counts of the previous iteration's verifications
-            index = w["shift_index"]
-            shift = torch.where(index >= 0, self.results[index.clamp(min=0)], 0)
-            shift = torch.cat([shift, shift.new_zeros(1)])  # row `num_rows`: padding, never shifted
-            token_row = w["token_row"]
-            token_shift = shift[token_row]
-            position, input_index = position + token_shift, input_index + token_shift
-            slots = torch.cat([w["row_slot"], w["row_slot"].new_full((1,), self.num_slots)])[token_row]
-            page = self.page_table[slots, position // self.cache.page_size].long()
-            moved = page * self.cache.page_size + position % self.cache.page_size
-            kv_slot = torch.where(token_shift != 0, moved, kv_slot)
-            context_lens = (context_lens + shift[: shape.num_rows]).to(torch.int32)
-            single_write = single_write + shift[w["single_row"]]
-            prefix_len = prefix_len + shift[w["logits_row"]]
+            position, input_index, kv_slot, context_lens, single_write, prefix_len = self.backend.shift_speculative_rows(
+                self.results, w["shift_index"], w["token_row"], w["row_slot"], w["single_row"], w["logits_row"],
+                self.page_table, self.cache.page_size, position, input_index, kv_slot, context_lens, single_write,
+                prefix_len,
+            )  # fmt: skip
         if self.induction and shape.num_single_rows:  # after the shift: each draft's own position and token
             reads = single_write - 1  # each draft row's last token, the one it reads
             # the store's entries after the diagonal's (if any)

@@ -12,8 +12,9 @@ noise), `position_keys` (each draw's key from its stream and position) and `keye
 acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
 the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p without sorting
 the vocabulary), `store_rows` (the drafts' distributions into their store; rows indexed -1
-skipped) and `write_induction_keys` (the `"induction"` selection's lookup of every draft row's
-induction keys into the moved-key store, `induction_keys.py`). The Triton calls never read device memory back (CUDA-graph safe).
+skipped), `write_induction_keys` (the `"induction"` selection's lookup of every draft row's
+induction keys into the moved-key store, `induction_keys.py`) and `shift_speculative_rows` (the
+delayed verification's speculative rows moved by the accepted counts, `shifts.py`). The Triton calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hf_sparsespec.kernels.induction_keys import write_induction_keys_ref
 from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_ref, position_keys_ref
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
+from hf_sparsespec.kernels.shifts import shift_speculative_rows_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
 from hf_sparsespec.kernels.store_rows import store_rows_ref
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref, truncated_softmax_ref
@@ -65,6 +67,8 @@ class AttentionBackend(Protocol):
 
     def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base,
                              recent_start) -> None: ...  # fmt: skip
+
+    def shift_speculative_rows(self, *args) -> tuple[torch.Tensor, ...]: ...
 
 
 class TorchBackend:
@@ -119,6 +123,9 @@ class TorchBackend:
 
     def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start):
         write_induction_keys_ref(moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start)
+
+    def shift_speculative_rows(self, *args) -> tuple[torch.Tensor, ...]:
+        return shift_speculative_rows_ref(*args)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -17,6 +17,7 @@ from hf_sparsespec.kernels.induction_keys import write_induction_keys
 from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import pillar_scores_into, select_verified_keys
+from hf_sparsespec.kernels.shifts import shift_speculative_rows
 from hf_sparsespec.kernels.store_kv import store_kv
 from hf_sparsespec.kernels.store_rows import store_rows
 from hf_sparsespec.kernels.tempered_softmax import tempered_softmax, truncated_softmax
@@ -73,3 +74,6 @@ class TritonBackend:
 
     def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start):
         write_induction_keys(moved_offsets, num_taken, token_buffer, input_index, row_base, recent_start)
+
+    def shift_speculative_rows(self, *args) -> tuple[torch.Tensor, ...]:
+        return shift_speculative_rows(*args)
