@@ -12,6 +12,9 @@ request-iteration gives the cost per generated token; the crossover is the gener
 which the drafting run's token costs less than the baseline's (`--baseline`, default `ar_compiled`).
 Prints a table; the fit says what an iteration costs before any context (the fixed cost: weights,
 GEMMs over the iteration's tokens, sampling, launches) and what each thousand tokens of context adds.
+Also, per drafting run, its tokens/s over the baseline's as the fits put it over the run's generated
+contexts (0 to `--new-tokens`, the benchmark's), and with `--target R` the cost at no context its
+iteration would need for R x the baseline, at the slope it has.
 """
 
 from __future__ import annotations
@@ -68,31 +71,50 @@ def crossover_k(run: CostFit, baseline: CostFit) -> float | None:
     return start / gain
 
 
+def mean_ms_per_token(fit: CostFit, new_tokens_k: float) -> float:
+    """Device ms per generated token averaged over generated contexts 0 .. `new_tokens_k` thousand."""
+    return fit.ms_per_token(new_tokens_k / 2)
+
+
+def intercept_for_ratio(run: CostFit, baseline: CostFit, ratio: float, new_tokens_k: float) -> float:
+    """The no-context cost `run`'s iteration would need to decode `ratio` x the baseline's tokens/s over
+    generated contexts 0 .. `new_tokens_k` thousand, at its own slope and tokens per request-iteration."""
+    per_token = mean_ms_per_token(baseline, new_tokens_k) / ratio
+    return per_token * run.tokens_per_row_iteration - run.slope_ms_per_k * new_tokens_k / 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, nargs="+", help="e2e_throughput.py JSON files")
     parser.add_argument("--baseline", default="ar_compiled")
     parser.add_argument("--skip", type=int, default=50, help="iterations left out at the start (the ramp)")
+    parser.add_argument("--target", type=float, default=None, help="a tokens/s ratio over the baseline to price")
     args = parser.parse_args()
+    target = f" | ms / iter at no context for {args.target}x" if args.target else ""
     lines = [
         "| results | run | ms / iter at no context | + ms per 1K context | tokens / request-iteration | "
-        "ms / token at 0 / 2K / 8K | crossover (generated K tokens) |",
-        "|---|---|---|---|---|---|---|",
+        f"ms / token at 0 / 2K / 8K | crossover (generated K tokens) | tok/s vs baseline (fits){target} |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if args.target else ""),
     ]
     for path in args.results:
         data = json.loads(path.read_text())
         runs = data["runs"]
         batch = int(data["meta"]["args"]["batch"])
+        new_tokens_k = int(data["meta"]["args"]["new_tokens"]) / 1000
         fits = {name: fit_run(name, r, batch, args.skip) for name, r in runs.items() if r.get("iteration_gpu_ms")}
         baseline = fits.get(args.baseline)
         for name, fit in fits.items():
-            cross = "-"
+            cross = ratio = "-"
+            needed = " | -" if args.target else ""
             if baseline is not None and name != args.baseline:
                 value = crossover_k(fit, baseline)
                 cross = "never" if value is None else f"{value:.2f}"
+                ratio = f"{mean_ms_per_token(baseline, new_tokens_k) / mean_ms_per_token(fit, new_tokens_k):.3f}x"
+                if args.target:
+                    needed = f" | {intercept_for_ratio(fit, baseline, args.target, new_tokens_k):.2f}"
             costs = " / ".join(f"{fit.ms_per_token(c):.2f}" for c in (0, 2, 8))
             lines.append(f"| {path.name} | {name} | {fit.intercept_ms:.2f} | {fit.slope_ms_per_k:.2f} | "
-                         f"{fit.tokens_per_row_iteration:.3f} | {costs} | {cross} |")  # fmt: skip
+                         f"{fit.tokens_per_row_iteration:.3f} | {costs} | {cross} | {ratio}{needed} |")  # fmt: skip
     print("\n".join(lines))
 
 

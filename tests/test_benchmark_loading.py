@@ -194,12 +194,16 @@ def test_the_cost_fit_recovers_each_runs_line_and_their_crossover(tmp_path, caps
     assert b.ms_per_token(crossing) == pytest.approx(a.ms_per_token(crossing))
     assert fit.crossover_k(a, a) == 0.0 and fit.crossover_k(a, b) == 0.0  # a is cheaper from the start
     assert fit.crossover_k(b, fit.CostFit("flat", 1.0, 0.1, 1.0, 2)) is None
+    needed = fit.intercept_for_ratio(b, a, 1.5, 8.0)  # b at that no-context cost decodes 1.5x a over 0-8K
+    faster = fit.CostFit("b", needed, b.slope_ms_per_k, b.tokens_per_row_iteration, 2)
+    assert fit.mean_ms_per_token(a, 8.0) / fit.mean_ms_per_token(faster, 8.0) == pytest.approx(1.5)
     path = tmp_path / "e2e.json"
-    path.write_text(json.dumps({"meta": {"args": {"batch": str(batch)}}, "runs": results}))
-    sys.argv = ["iteration_cost_fit.py", str(path)]
+    path.write_text(json.dumps({"meta": {"args": {"batch": str(batch), "new_tokens": "8000"}}, "runs": results}))
+    sys.argv = ["iteration_cost_fit.py", str(path), "--target", "1.5"]
     fit.main()
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 4 and table[3].endswith(f"| {crossing:.2f} |")
+    ratio = fit.mean_ms_per_token(a, 8.0) / fit.mean_ms_per_token(b, 8.0)
+    assert len(table) == 4 and table[3].endswith(f"| {crossing:.2f} | {ratio:.3f}x | {needed:.2f} |")
     with pytest.raises(ValueError, match="fewer than 2 full-batch iterations"):
         fit.fit_run("pillar", results["pillar"], batch, skip=iterations)
 
