@@ -13,11 +13,15 @@ from hf_sparsespec.kernels import induction_keys
 from hf_sparsespec.kernels.induction_keys import write_induction_keys, write_induction_keys_ref
 from hf_sparsespec.kernels.moved_keys import NO_OFFSET
 
+ANY_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # hypothesis cases take no fixtures
+
 
 def _case(generator, num_slots, width, vocab, num_rows, recent_margin):
-    """A token buffer, and draft rows (slot, left padding, position read, recent window start)."""
+    """A token buffer, and draft rows (slot, left padding, position read, recent window start); one row a
+    slot, as in the engine (rows sharing a slot, only ever padding rows, write it in no defined order)."""
     tokens = torch.randint(0, vocab, (num_slots, width), generator=generator)
-    slots = torch.randint(0, num_slots, (num_rows,), generator=generator)
+    num_rows = min(num_rows, num_slots)
+    slots = torch.randperm(num_slots, generator=generator)[:num_rows]
     padding = torch.randint(0, max(1, width // 4), (num_rows,), generator=generator)
     position = torch.stack([torch.randint(0, width - int(p), (1,), generator=generator)[0] for p in padding])
     recent = (position + 1 - torch.randint(0, recent_margin + 1, (num_rows,), generator=generator)).clamp(min=0)
@@ -59,7 +63,7 @@ def test_matches_the_reference(num_slots, width, vocab, num_rows, num_entries, n
     vocab = vocab if seed % 3 else 500  # some cases with few matches: whole histories scanned
     tokens, reads, row_base, recent = _case(generator, num_slots + 1, width, vocab, num_rows, margin)
     store = _store(generator, 2, num_slots + 1, 2, num_taken, num_entries, [NO_OFFSET, -1, -2, -5, -9, -30, -200])
-    _compare(torch.device("cpu"), tokens, reads, row_base, recent, store, num_taken)
+    _compare(ANY_DEVICE, tokens, reads, row_base, recent, store, num_taken)
 
 
 @pytest.mark.parametrize("num_taken", [0, 18])

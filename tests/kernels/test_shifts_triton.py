@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from hf_sparsespec.kernels.shifts import shift_speculative_rows, shift_speculative_rows_ref
 
+ANY_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # hypothesis cases take no fixtures
+
 
 def _case(generator, num_rows, tokens_per_row, num_single, num_logits, page_size, index_dtype):
     """An iteration's shift inputs: rows of 1-9 tokens (then padding tokens), some rows shifted."""
@@ -62,7 +64,7 @@ def _check(args, device):
 def test_matches_the_reference(tokens_per_row, num_single, num_logits, page_size, index_dtype, seed):
     generator = torch.Generator().manual_seed(seed)
     args = _case(generator, len(tokens_per_row), tokens_per_row, num_single, num_logits, page_size, index_dtype)
-    _check(args, torch.device("cpu"))
+    _check(args, ANY_DEVICE)
 
 
 def test_shifted_rows_move_and_the_rest_stay(device):
