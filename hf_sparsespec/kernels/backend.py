@@ -14,7 +14,8 @@ the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p w
 the vocabulary), `store_rows` (the drafts' distributions into their store; rows indexed -1
 skipped), `write_induction_keys` (the `"induction"` selection's lookup of every draft row's
 induction keys into the moved-key store, `induction_keys.py`) and `shift_speculative_rows` (the
-delayed verification's speculative rows moved by the accepted counts, `shifts.py`). The Triton calls never read device memory back (CUDA-graph safe).
+delayed verification's speculative rows moved by the accepted counts, `shifts.py`). The Triton
+calls never read device memory back (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class AttentionBackend(Protocol):
     def write_induction_keys(self, moved_offsets, num_taken, token_buffer, input_index, row_base,
                              recent_start) -> None: ...  # fmt: skip
 
-    def shift_speculative_rows(self, *args) -> tuple[torch.Tensor, ...]: ...
+    def shift_speculative_rows(self, *args) -> tuple[torch.Tensor, ...]: ...  # arguments: `shifts.py`
 
 
 class TorchBackend:
