@@ -345,10 +345,12 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
     original = engine.runner.run
     launches = []  # per iteration: (host seconds since the start at its launch, replayed, tokens)
     row_counts = []  # per iteration: real rows (requests that ran)
+    contexts = []  # per iteration: the rows' mean context after it (the host's view: speculative rows unshifted)
 
     def run(batch):
         ideal.observe(batch, pillar)
         row_counts.append(len(batch.rows))
+        contexts.append(sum(row.context_len for row in batch.rows) / max(1, len(batch.rows)))
         replays = engine.runner.counters.graph_replays
         pending = original(batch)
         replayed = engine.runner.counters.graph_replays > replays
@@ -375,6 +377,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         # tail, in which the requests that accept least decode in ever smaller batches
         "full_batch_seconds": full["seconds"], "full_batch_tokens_per_s": full["tokens"] / full["seconds"],
         "iteration_rows": row_counts, "iteration_gpu_ms": [round(ms, 3) for ms in gpu_ms],
+        "iteration_mean_context": [round(c, 1) for c in contexts],
         "seconds_to_first_replay": launches[first_replay][0] if first_replay < len(launches) else seconds,
         "iterations_before_first_replay": first_replay,
         "first_iterations": [  # where the start-up time goes: (launch s, device ms, replayed, tokens)

@@ -4,17 +4,18 @@ each run's device ms per iteration against the generated context, from e2e_throu
     python benchmarks/iteration_cost_fit.py docs/results/e2e_throughput_qwen15_256x8192_compiled_h100_run23.json
 
 Per run, over the iterations while the batch is full (past the first `--skip` ones): device ms per
-iteration = intercept + slope x generated context (thousands of tokens per request), the context
-estimated as the iteration index x the run's tokens per request-iteration while the batch is full
-(`full_batch_tokens_per_s` x `full_batch_seconds` / full-batch iterations / batch: ~1 for AR,
-~(accepted + 1) / (k + 1) for SparseSpec). Dividing by the tokens per
-request-iteration gives the cost per generated token; the crossover is the generated context past
+iteration = intercept + slope x context (thousands of tokens per request). The context is the rows'
+mean context, prompt and generated tokens, where the JSON records it (`iteration_mean_context`);
+older JSONs give the generated context only, estimated as the iteration index x the run's tokens per
+request-iteration while the batch is full (`full_batch_tokens_per_s` x `full_batch_seconds` /
+full-batch iterations / batch: ~1 for AR, ~(accepted + 1) / (k + 1) for SparseSpec). Dividing by the tokens per
+request-iteration gives the cost per generated token; the crossover is the context past
 which the drafting run's token costs less than the baseline's (`--baseline`, default `ar_compiled`).
 Prints a table; the fit says what an iteration costs before any context (the fixed cost: weights,
 GEMMs over the iteration's tokens, sampling, launches) and what each thousand tokens of context adds.
-Also, per drafting run, its tokens/s over the baseline's as the fits put it over the run's generated
-contexts (0 to `--new-tokens`, the benchmark's), and with `--target R` the cost at no context its
-iteration would need for R x the baseline, at the slope it has.
+Also, per drafting run, its tokens/s over the baseline's as the fits put it at each run's mean
+context over its fitted iterations (older JSONs: half the run's new tokens), and with `--target R`
+the cost at no context its iteration would need for R x the baseline, at the slope it has.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ class CostFit:
     slope_ms_per_k: float  # device ms each 1,000 tokens of generated context add
     tokens_per_row_iteration: float
     iterations_fitted: int
+    mean_context_k: float  # the fitted iterations' mean context (thousands of tokens)
 
     def ms_per_token(self, context_k: float) -> float:
         """Device ms per generated token of one full batch's iteration at `context_k` thousand tokens."""
         return (self.intercept_ms + self.slope_ms_per_k * context_k) / self.tokens_per_row_iteration
 
 
-def fit_run(run: str, result: dict, batch: int, skip: int) -> CostFit:
+def fit_run(run: str, result: dict, batch: int, skip: int, new_tokens_k: float) -> CostFit:
     """The straight-line fit of one run's full-batch iterations (see the module docstring)."""
     gpu_ms = np.asarray(result["iteration_gpu_ms"], dtype=np.float64)
     rows = np.asarray(result["iteration_rows"])
@@ -50,10 +52,15 @@ def fit_run(run: str, result: dict, batch: int, skip: int) -> CostFit:
     keep = full & (index >= skip)
     if keep.sum() < 2:
         raise ValueError(f"{run}: fewer than 2 full-batch iterations past the first {skip}")
-    context_k = index[keep] * per_row / 1000
+    if "iteration_mean_context" in result:
+        context_k = np.asarray(result["iteration_mean_context"], dtype=np.float64)[keep] / 1000
+        mean_context_k = float(context_k.mean())
+    else:  # generated tokens only, from the iteration index
+        context_k = index[keep] * per_row / 1000
+        mean_context_k = new_tokens_k / 2
     design = np.stack([np.ones_like(context_k), context_k], axis=1)
     (intercept, slope), *_ = np.linalg.lstsq(design, gpu_ms[keep], rcond=None)
-    return CostFit(run, float(intercept), float(slope), float(per_row), int(keep.sum()))
+    return CostFit(run, float(intercept), float(slope), float(per_row), int(keep.sum()), mean_context_k)
 
 
 def crossover_k(run: CostFit, baseline: CostFit) -> float | None:
@@ -71,16 +78,16 @@ def crossover_k(run: CostFit, baseline: CostFit) -> float | None:
     return start / gain
 
 
-def mean_ms_per_token(fit: CostFit, new_tokens_k: float) -> float:
-    """Device ms per generated token averaged over generated contexts 0 .. `new_tokens_k` thousand."""
-    return fit.ms_per_token(new_tokens_k / 2)
+def mean_ms_per_token(fit: CostFit) -> float:
+    """Device ms per generated token over the fitted iterations (the line at their mean context)."""
+    return fit.ms_per_token(fit.mean_context_k)
 
 
-def intercept_for_ratio(run: CostFit, baseline: CostFit, ratio: float, new_tokens_k: float) -> float:
+def intercept_for_ratio(run: CostFit, baseline: CostFit, ratio: float) -> float:
     """The no-context cost `run`'s iteration would need to decode `ratio` x the baseline's tokens/s over
-    generated contexts 0 .. `new_tokens_k` thousand, at its own slope and tokens per request-iteration."""
-    per_token = mean_ms_per_token(baseline, new_tokens_k) / ratio
-    return per_token * run.tokens_per_row_iteration - run.slope_ms_per_k * new_tokens_k / 2
+    the fitted iterations, at its own slope and tokens per request-iteration."""
+    per_token = mean_ms_per_token(baseline) / ratio
+    return per_token * run.tokens_per_row_iteration - run.slope_ms_per_k * run.mean_context_k
 
 
 def main() -> None:
@@ -93,7 +100,7 @@ def main() -> None:
     target = f" | ms / iter at no context for {args.target}x" if args.target else ""
     lines = [
         "| results | run | ms / iter at no context | + ms per 1K context | tokens / request-iteration | "
-        f"ms / token at 0 / 2K / 8K | crossover (generated K tokens) | tok/s vs baseline (fits){target} |",
+        f"ms / token at 0 / 2K / 8K | crossover (K tokens of context) | tok/s vs baseline (fits){target} |",
         "|---|---|---|---|---|---|---|---|" + ("---|" if args.target else ""),
     ]
     for path in args.results:
@@ -101,7 +108,8 @@ def main() -> None:
         runs = data["runs"]
         batch = int(data["meta"]["args"]["batch"])
         new_tokens_k = int(data["meta"]["args"]["new_tokens"]) / 1000
-        fits = {name: fit_run(name, r, batch, args.skip) for name, r in runs.items() if r.get("iteration_gpu_ms")}
+        fits = {name: fit_run(name, r, batch, args.skip, new_tokens_k)
+                for name, r in runs.items() if r.get("iteration_gpu_ms")}  # fmt: skip
         baseline = fits.get(args.baseline)
         for name, fit in fits.items():
             cross = ratio = "-"
@@ -109,9 +117,9 @@ def main() -> None:
             if baseline is not None and name != args.baseline:
                 value = crossover_k(fit, baseline)
                 cross = "never" if value is None else f"{value:.2f}"
-                ratio = f"{mean_ms_per_token(baseline, new_tokens_k) / mean_ms_per_token(fit, new_tokens_k):.3f}x"
+                ratio = f"{mean_ms_per_token(baseline) / mean_ms_per_token(fit):.3f}x"
                 if args.target:
-                    needed = f" | {intercept_for_ratio(fit, baseline, args.target, new_tokens_k):.2f}"
+                    needed = f" | {intercept_for_ratio(fit, baseline, args.target):.2f}"
             costs = " / ".join(f"{fit.ms_per_token(c):.2f}" for c in (0, 2, 8))
             lines.append(f"| {path.name} | {name} | {fit.intercept_ms:.2f} | {fit.slope_ms_per_k:.2f} | "
                          f"{fit.tokens_per_row_iteration:.3f} | {costs} | {cross} | {ratio}{needed} |")  # fmt: skip

@@ -187,25 +187,32 @@ def test_the_cost_fit_recovers_each_runs_line_and_their_crossover(tmp_path, caps
                     full_batch_tokens_per_s=tokens, full_batch_seconds=1.0)  # fmt: skip
 
     results = {"ar_compiled": run(4.0, 2.0, 1.0), "pillar": run(7.0, 0.5, 0.9)}
-    a, b = (fit.fit_run(name, r, batch, skip=10) for name, r in results.items())
+    a, b = (fit.fit_run(name, r, batch, skip=10, new_tokens_k=8.0) for name, r in results.items())
     assert (a.intercept_ms, a.slope_ms_per_k, a.tokens_per_row_iteration) == pytest.approx((4.0, 2.0, 1.0))
     assert (b.intercept_ms, b.slope_ms_per_k, b.tokens_per_row_iteration) == pytest.approx((7.0, 0.5, 0.9))
     crossing = fit.crossover_k(b, a)
     assert b.ms_per_token(crossing) == pytest.approx(a.ms_per_token(crossing))
     assert fit.crossover_k(a, a) == 0.0 and fit.crossover_k(a, b) == 0.0  # a is cheaper from the start
-    assert fit.crossover_k(b, fit.CostFit("flat", 1.0, 0.1, 1.0, 2)) is None
-    needed = fit.intercept_for_ratio(b, a, 1.5, 8.0)  # b at that no-context cost decodes 1.5x a over 0-8K
-    faster = fit.CostFit("b", needed, b.slope_ms_per_k, b.tokens_per_row_iteration, 2)
-    assert fit.mean_ms_per_token(a, 8.0) / fit.mean_ms_per_token(faster, 8.0) == pytest.approx(1.5)
+    assert fit.crossover_k(b, fit.CostFit("flat", 1.0, 0.1, 1.0, 2, 4.0)) is None
+    assert a.mean_context_k == b.mean_context_k == 4.0  # no recorded contexts: half the new tokens
+    needed = fit.intercept_for_ratio(b, a, 1.5)  # b at that no-context cost decodes 1.5x a over 0-8K
+    faster = fit.CostFit("b", needed, b.slope_ms_per_k, b.tokens_per_row_iteration, 2, 4.0)
+    assert fit.mean_ms_per_token(a) / fit.mean_ms_per_token(faster) == pytest.approx(1.5)
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps({"meta": {"args": {"batch": str(batch), "new_tokens": "8000"}}, "runs": results}))
     sys.argv = ["iteration_cost_fit.py", str(path), "--target", "1.5"]
     fit.main()
     table = capsys.readouterr().out.splitlines()
-    ratio = fit.mean_ms_per_token(a, 8.0) / fit.mean_ms_per_token(b, 8.0)
+    ratio = fit.mean_ms_per_token(a) / fit.mean_ms_per_token(b)
     assert len(table) == 4 and table[3].endswith(f"| {crossing:.2f} | {ratio:.3f}x | {needed:.2f} |")
     with pytest.raises(ValueError, match="fewer than 2 full-batch iterations"):
-        fit.fit_run("pillar", results["pillar"], batch, skip=iterations)
+        fit.fit_run("pillar", results["pillar"], batch, skip=iterations, new_tokens_k=8.0)
+    # recorded contexts (prompt and generated tokens) are the line's x where the JSON has them
+    recorded = dict(results["pillar"], iteration_mean_context=[500 + 3 * i for i in range(iterations)])
+    recorded["iteration_gpu_ms"] = [7.0 + 0.5 * (500 + 3 * i) / 1000 for i in range(iterations)]
+    c = fit.fit_run("pillar", recorded, batch, skip=10, new_tokens_k=8.0)
+    assert (c.intercept_ms, c.slope_ms_per_k) == pytest.approx((7.0, 0.5))
+    assert c.mean_context_k == pytest.approx((500 + 3 * (10 + iterations - 1) / 2) / 1000)
 
 
 def test_the_op_counter_sees_the_drafting_steps_extra_work(capsys, monkeypatch):
