@@ -43,8 +43,8 @@ graph replay (start-up), and tokens/s while the batch is full (up to the first f
 waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
 accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
 batch full by continuous batching). Each of our runs is warmed once on the same prompts first (48
-tokens; `--no-warm` times them cold). Prints a table last, writes JSON (with every iteration's rows
-and device ms) to --out.
+tokens; `--no-warm` times them cold). Prints a table last, writes JSON (with every iteration's rows,
+mean context and device ms) to --out.
 
 KV policies (`--kv-policy reserve,dynamic` runs each of our runs under each; `--num-pages` caps the
 pool, `third` = room for the worst cases of a third of the requests): the KV table reports peak pages,
