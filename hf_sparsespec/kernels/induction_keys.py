@@ -182,7 +182,8 @@ def write_induction_keys(
     recent_start: torch.Tensor,
 ) -> None:
     """Triton `write_induction_keys_ref` (arguments there): two launches, grids from the shapes only
-    (CUDA-graph safe); rows sharing a slot write it in an undefined order, as the reference's."""
+    (CUDA-graph safe). Rows sharing a slot race for its entries (on a GPU the reference's `index_copy_`
+    does too); the engine gives every real row a slot of its own, only padding rows share the dummy's."""
     check_tensor("moved_offsets", moved_offsets, ndim=4, dtypes=(torch.int32,))
     device = moved_offsets.device
     check_tensor("token_buffer", token_buffer, ndim=2, dtypes=(torch.int64,), device=device)
