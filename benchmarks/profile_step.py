@@ -13,7 +13,9 @@ which compile kernels and capture graphs), then `--iterations` iterations are ti
 time of each iteration) and, with `--profile`, traced by torch.profiler: the kernels by device time per
 iteration. The cost of an iteration does not depend on the weights (random weights accept few
 drafts, but the unified scheduler's mix of verifications and drafts per iteration is the same).
-Prints a table last; `--out` writes it as JSON.
+Prints a table last (with the timed iterations' real tokens next to their padded shape: until a
+bucket has bought its own graph, `graph_buckets.py`, it replays a larger one, the batch's first graph
+~100 iterations into the decode); `--out` writes it as JSON.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def _measure(model, prompts, args, run: str) -> dict:
     shapes = []  # every launched iteration's shape
     launch = runner.run
 
+    real_tokens = []  # every launched iteration's tokens of real rows (the rest of its shape is padding)
+
     def run_and_record(batch):
         shapes.append(batch.shape)
+        real_tokens.append(int(batch.arrays["query_start"][len(batch.rows)]))
         return launch(batch)
 
     runner.run = run_and_record
@@ -99,7 +104,7 @@ def _measure(model, prompts, args, run: str) -> dict:
             engine.step()
             wall.append(1000 * (time.perf_counter() - start))
             shape = shapes[-1]
-            rows.append((shape.num_tokens, shape.num_verify_rows, shape.num_single_rows))
+            rows.append((shape.num_tokens, real_tokens[-1], shape.num_verify_rows, shape.num_single_rows))
         torch.cuda.synchronize()
         result["wall_ms_per_iteration"] = 1000 * (time.perf_counter() - began) / args.iterations
         gpu = runner.counters.gpu_milliseconds()
@@ -108,8 +113,9 @@ def _measure(model, prompts, args, run: str) -> dict:
         result["step_host_ms_median"] = float(np.median(wall))
         result["replays"] = runner.counters.graph_replays - replays
         result["eager"] = runner.counters.eager_iterations - eager
-        tokens, verify, single = np.array(rows).mean(axis=0) if rows else (0, 0, 0)
-        result |= dict(padded_tokens=float(tokens), verify_rows=float(verify), single_rows=float(single))
+        tokens, real, verify, single = np.array(rows).mean(axis=0) if rows else (0, 0, 0, 0)
+        result |= dict(padded_tokens=float(tokens), real_tokens=float(real), verify_rows=float(verify),
+                       single_rows=float(single))  # fmt: skip
         if args.profile:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.profile_iterations):
@@ -178,15 +184,16 @@ def main() -> None:
             )
     print(f"\nbatch {args.batch}, prompts {args.prompt_tokens or '100-250'} tokens, {args.iterations} timed iterations")
     print(
-        "| run | padded tokens (verify / one-token rows) | wall ms / iter | GPU ms / iter | host ms / step (median) "
-        "| replays / eager | kernels ms / launches |"
+        "| run | padded tokens (verify / one-token rows) | real tokens | wall ms / iter | GPU ms / iter "
+        "| host ms / step (median) | replays / eager | graphs captured | kernels ms / launches |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         kernels = f"{r['kernel_ms_per_iteration']:.2f} / {r['launches_per_iteration']:.0f}" if args.profile else "-"
         print(f"| {r['run']} | {r['padded_tokens']:.0f} ({r['verify_rows']:.0f} / {r['single_rows']:.0f}) "
-              f"| {r['wall_ms_per_iteration']:.2f} | {r['gpu_ms_per_iteration']:.2f} | "
-              f"{r['step_host_ms_median']:.2f} | {r['replays']} / {r['eager']} | {kernels} |")  # fmt: skip
+              f"| {r['real_tokens']:.0f} | {r['wall_ms_per_iteration']:.2f} | {r['gpu_ms_per_iteration']:.2f} | "
+              f"{r['step_host_ms_median']:.2f} | {r['replays']} / {r['eager']} | {r['graphs_captured']} "
+              f"| {kernels} |")  # fmt: skip
 
 
 if __name__ == "__main__":
