@@ -14,8 +14,8 @@ time of each iteration) and, with `--profile`, traced by torch.profiler: the ker
 iteration. The cost of an iteration does not depend on the weights (random weights accept few
 drafts, but the unified scheduler's mix of verifications and drafts per iteration is the same).
 Prints a table last (with the timed iterations' real tokens next to their padded shape: until a
-bucket has bought its own graph, `graph_buckets.py`, it replays a larger one, the batch's first graph
-~100 iterations into the decode); `--out` writes it as JSON.
+bucket has bought its own graph, `graph_buckets.py`, it replays a larger one: in the first ~100
+decode iterations, the batch's first graph); `--out` writes it as JSON.
 """
 
 from __future__ import annotations
