@@ -198,11 +198,11 @@ def write_induction_keys(
     num_entries, width = total - num_taken, token_buffer.shape[1]
     if num_rows == 0 or num_entries == 0:
         return
+    entries_pad = triton.next_power_of_2(num_entries)
     if width < 2:  # no column after any position: nothing to find
         offsets = torch.full((num_rows, num_entries), NO_OFFSET, dtype=torch.int32, device=device)
     else:
         offsets = torch.empty((num_rows, num_entries), dtype=torch.int32, device=device)
-        entries_pad = triton.next_power_of_2(num_entries)
         _induction_lookup_kernel[(num_rows,)](
             token_buffer, input_index, row_base, recent_start, offsets, width,
             NUM_ENTRIES=num_entries, ENTRIES_PAD=entries_pad, BLOCK=LOOKUP_BLOCK, NO_OFFSET_VALUE=NO_OFFSET,
@@ -210,6 +210,6 @@ def write_induction_keys(
     _write_induction_kernel[(num_rows, num_layers)](
         moved_offsets, offsets, row_base, width, num_kv_heads, num_taken,
         moved_offsets.stride(0), moved_offsets.stride(1), moved_offsets.stride(2),
-        NUM_ENTRIES=num_entries, ENTRIES_PAD=triton.next_power_of_2(num_entries),
-        TAKEN_PAD=triton.next_power_of_2(max(num_taken, 1)), NO_OFFSET_VALUE=NO_OFFSET,
+        NUM_ENTRIES=num_entries, ENTRIES_PAD=entries_pad, TAKEN_PAD=triton.next_power_of_2(max(num_taken, 1)),
+        NO_OFFSET_VALUE=NO_OFFSET,
     )  # fmt: skip
