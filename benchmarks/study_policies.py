@@ -366,14 +366,23 @@ class Quest(Policy):
         return f"{self.name} (page {self.page_size}, +{self.extra:g}B)" if self.with_pillar else self.name
 
 
-def diagonal_offsets(view: VerifyView, top: int, per_head: bool = True) -> torch.Tensor:
+NO_OFFSET = -(2**30)  # an offset that moves no key (the engine's `moved_keys.NO_OFFSET`)
+
+
+def diagonal_offsets(view: VerifyView, top: int, per_head: bool = True, confirm: int = 1) -> torch.Tensor:
     """`j - p` for the top-`top` keys j of every block query p: of every head of the GQA group, or of the
-    group's mean (`per_head=False`, g times fewer offsets): `[r, kvh, m]`."""
+    group's mean (`per_head=False`, g times fewer offsets): `[r, kvh, m]`. `confirm=c > 1` keeps only
+    offsets that at least c entries of the (row, KV head)'s list share (a diagonal several queries or
+    heads followed); the others become `NO_OFFSET`."""
     r, kvh, _, q, _ = view.probs.shape
     probs = view.probs if per_head else view.probs.mean(dim=2, keepdim=True)
     keys = probs.topk(top, dim=-1).indices  # [r, kvh, g or 1, Q, top]
     position = view.block_start[:, None, None, None, None] + torch.arange(q, device=keys.device)[:, None]
-    return (keys - position).reshape(r, kvh, -1)
+    offsets = (keys - position).reshape(r, kvh, -1)
+    if confirm > 1:
+        shared = (offsets[..., :, None] == offsets[..., None, :]).sum(dim=-1)  # entries with the same offset
+        offsets = offsets.masked_fill(shared < confirm, NO_OFFSET)
+    return offsets
 
 
 def moved_keys(offsets: torch.Tensor, position: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -484,9 +493,12 @@ class Diagonal(Policy):
     Copy and induction heads attend a key that advances with the query; a frozen set points one cycle
     behind them. No extra reads besides the added keys (offsets come from the verification)."""
 
-    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 1, per_head: bool = True, **common):
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 1, per_head: bool = True, confirm: int = 1,
+                 **common):  # fmt: skip
         super().__init__(name, min_budget, budget_ratio, **common)
-        self.top, self.per_head = top, per_head
+        if confirm < 1:
+            raise ValueError(f"confirm: expected an int >= 1, got {confirm}")
+        self.top, self.per_head, self.confirm = top, per_head, confirm
         self.offsets: list[torch.Tensor | None] = []
 
     def bind(self, rows, num_layers):
@@ -495,7 +507,7 @@ class Diagonal(Policy):
 
     def after_verify(self, layer, view):
         super().after_verify(layer, view)
-        self.offsets[layer] = diagonal_offsets(view, self.top, self.per_head)
+        self.offsets[layer] = diagonal_offsets(view, self.top, self.per_head, self.confirm)
 
     def draft(self, layer, view):
         base, extra = super().draft(layer, view)
@@ -505,7 +517,8 @@ class Diagonal(Policy):
         return (base | moved) & view.old[:, None, :], extra
 
     def describe(self):
-        return f"{self.name} (top {self.top} per {'head' if self.per_head else 'group mean'})"
+        confirmed = f", offsets shared by >= {self.confirm} entries" if self.confirm > 1 else ""
+        return f"{self.name} (top {self.top} per {'head' if self.per_head else 'group mean'}{confirmed})"
 
 
 def induction_keys(view: DraftView, top: int, num_keys: int) -> torch.Tensor:
@@ -569,7 +582,7 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
             min_budget = int(value)
         elif key == "budget_ratio":
             budget_ratio = float(value)
-        elif key in ("page_size", "top", "num_sink", "diagonal"):
+        elif key in ("page_size", "top", "num_sink", "diagonal", "confirm"):
             kwargs[key] = int(value)
         elif key in ("with_pillar", "per_head"):
             kwargs[key] = value not in ("0", "false", "False")

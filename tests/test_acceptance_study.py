@@ -21,8 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from acceptance_study import summarize  # noqa: E402
 from study_harness import Study  # noqa: E402
 from study_policies import (  # noqa: E402
+    NO_OFFSET,
     DraftView,
     VerifyView,
+    diagonal_offsets,
     induction_keys,
     make_policy,
     moved_keys,
@@ -255,6 +257,23 @@ def test_moved_keys_follow_the_diagonal():
     offsets = torch.tensor([[[-5, -1, -300]]])  # one row, one KV head
     mask = moved_keys(offsets, torch.tensor([10]), num_keys=12)
     assert mask.nonzero()[:, -1].tolist() == [5, 9]  # 10 - 300 is outside the text
+
+
+def test_confirmed_diagonal_offsets_keep_only_shared_ones():
+    """`confirm=c`: an offset survives when at least c entries of its (row, KV head) list share it."""
+    n = 12  # keys; the block of 3 queries starts at 6
+    probs = torch.zeros(1, 1, 2, 3, n)  # [r, kvh, group 2, Q 3, N]
+    for query, (diagonal_key, other_key) in enumerate([(2, 0), (3, 5), (4, 1)]):
+        probs[0, 0, 0, query, diagonal_key] = 1.0  # head 0 walks the diagonal: offset -4 for every query
+        probs[0, 0, 1, query, other_key] = 1.0  # head 1: offsets -6, -2, -7, one entry each
+    view = VerifyView(probs=probs, block_start=torch.tensor([6]), budget=torch.tensor([4]))
+    # entries e = g * Q + i (the study's order: head-major)
+    assert diagonal_offsets(view, top=1).tolist() == [[[-4, -4, -4, -6, -2, -7]]]
+    assert diagonal_offsets(view, top=1, confirm=2).tolist() == [[[-4, -4, -4] + [NO_OFFSET] * 3]]
+    assert diagonal_offsets(view, top=1, confirm=4).tolist() == [[[NO_OFFSET] * 6]]
+    assert make_policy("induction:top=16,diagonal=1,confirm=2", 64).confirm == 2
+    with pytest.raises(ValueError, match="confirm"):
+        make_policy("diagonal:confirm=0", 64)
 
 
 def test_induction_keys_are_the_successors_of_the_latest_old_matches():
