@@ -346,6 +346,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
     launches = []  # per iteration: (host seconds since the start at its launch, replayed, tokens)
     row_counts = []  # per iteration: real rows (requests that ran)
     contexts = []  # per iteration: the rows' mean context after it (the host's view: speculative rows unshifted)
+    padded_tokens = []  # per iteration: the tokens its shape computes (real tokens plus the bucket's padding)
 
     def run(batch):
         ideal.observe(batch, pillar)
@@ -355,6 +356,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         pending = original(batch)
         replayed = engine.runner.counters.graph_replays > replays
         launches.append((time.perf_counter() - start, replayed, int(batch.arrays["query_start"][len(batch.rows)])))
+        padded_tokens.append(batch.shape.num_tokens)
         return pending
 
     engine.runner.run = run
@@ -378,6 +380,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         "full_batch_seconds": full["seconds"], "full_batch_tokens_per_s": full["tokens"] / full["seconds"],
         "iteration_rows": row_counts, "iteration_gpu_ms": [round(ms, 3) for ms in gpu_ms],
         "iteration_mean_context": [round(c, 1) for c in contexts],
+        "iteration_tokens": [tokens for _, _, tokens in launches], "iteration_padded_tokens": padded_tokens,
         "seconds_to_first_replay": launches[first_replay][0] if first_replay < len(launches) else seconds,
         "iterations_before_first_replay": first_replay,
         "first_iterations": [  # where the start-up time goes: (launch s, device ms, replayed, tokens)
