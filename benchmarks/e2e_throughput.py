@@ -381,6 +381,8 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         "iteration_rows": row_counts, "iteration_gpu_ms": [round(ms, 3) for ms in gpu_ms],
         "iteration_mean_context": [round(c, 1) for c in contexts],
         "iteration_tokens": [tokens for _, _, tokens in launches], "iteration_padded_tokens": padded_tokens,
+        # tokens computed for nothing (bucket padding, borrowed larger graphs), over the real ones
+        "padding_share": sum(padded_tokens) / max(1, sum(tokens for _, _, tokens in launches)) - 1,
         "seconds_to_first_replay": launches[first_replay][0] if first_replay < len(launches) else seconds,
         "iterations_before_first_replay": first_replay,
         "first_iterations": [  # where the start-up time goes: (launch s, device ms, replayed, tokens)
@@ -610,9 +612,9 @@ def main() -> None:
           f"{roofline.hbm_bytes_per_s / 1e12:.2f} TB/s and {roofline.bf16_flops_per_s / 1e12:.0f} TFLOP/s "
           f"({roofline.source})")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
-          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | s to first replay | "
-          "tok/s while the batch is full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | padded tokens | "
+          "s to first replay | tok/s while the batch is full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ratio(x, base):
         return f"{x / base:.2f}x" if base else "-"
@@ -626,10 +628,12 @@ def main() -> None:
         wall_over_gpu = f"{r['wall_ms_per_iter'] / r['gpu_ms_per_iter']:.2f}" if "gpu_ms_per_iter" in r else "-"
         gpu_over_ideal = f"{gpu / r['ideal_ms_per_iter']:.2f}" if gpu else "-"
         graphs = f"{r['graphs_captured']} ({r['graph_replays']} / {r['eager_iterations']})" if "graphs_captured" in r else "-"
+        padding = f"+{100 * r['padding_share']:.1f} %" if "padding_share" in r else "-"
         print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
               f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
               f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
-              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} | {num(r, 'seconds_to_first_replay', '.1f')} | {num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
+              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} | {padding} | {num(r, 'seconds_to_first_replay', '.1f')} | "
+              f"{num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
 
     kv_runs = {run: r for run, r in runs.items() if "kv" in r}
     if kv_runs:
