@@ -521,12 +521,25 @@ class Diagonal(Policy):
         return f"{self.name} (top {self.top} per {'head' if self.per_head else 'group mean'}{confirmed})"
 
 
-def induction_keys(view: DraftView, top: int, num_keys: int) -> torch.Tensor:
+def induction_keys(view: DraftView, top: int, num_keys: int, ngram: int = 1) -> torch.Tensor:
     """Mask `[r, N]` of the successors j + 1 of the `top` latest old occurrences j of the query's own
-    input token (j + 1 < recent_start): where an induction head attends."""
+    input token (j + 1 < recent_start): where an induction head attends. `ngram=2`: occurrences whose
+    preceding token also equals the query's preceding token come first (the latest of them), then the
+    latest other occurrences fill the `top` (a bigram match with a unigram back-off). The preceding
+    token is the text's at `position - 1`: the committed token at step 0, the previous draft after it
+    (for a draft that counts, every earlier draft matched the text)."""
+    if ngram not in (1, 2):
+        raise ValueError(f"ngram: expected 1 or 2, got {ngram}")
     j = torch.arange(num_keys - 1, device=view.text.device)
     match = (view.text[None, :-1] == view.input_token[:, None]) & view.old[:, 1:]  # successor j + 1 is old
-    latest = torch.where(match, j[None, :], -1).topk(min(top, num_keys - 1), dim=-1).values  # [r, top]
+    rank = torch.where(match, j[None, :], -1)
+    if ngram == 2:
+        previous = view.text[(view.position - 1).clamp(min=0)]  # [r]
+        before = torch.cat([view.text.new_full((1,), -1), view.text[:-2]])  # token j - 1 for j = 0..N-2
+        bigram = match & (before[None, :] == previous[:, None])
+        rank = torch.where(bigram, rank + num_keys, rank)  # every bigram match before every unigram one
+    values = rank.topk(min(top, num_keys - 1), dim=-1).values  # [r, top]
+    latest = torch.where(values >= num_keys, values - num_keys, values)
     mask = torch.zeros(match.shape[0], num_keys, dtype=torch.bool, device=match.device)
     return mask.scatter_(-1, (latest + 1).clamp(min=0), latest >= 0)
 
@@ -538,9 +551,12 @@ class Induction(Diagonal):
     alone (no key is read to find them), refresh at every step with the draft's own token, and add
     `top` keys at most. `diagonal=1` adds the diagonal policy's moved keys (its top 1 per head) as well."""
 
-    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 4, diagonal: int = 0, **common):
+    def __init__(self, name, min_budget, budget_ratio=0.05, *, top: int = 4, diagonal: int = 0, ngram: int = 1,
+                 **common):  # fmt: skip
         super().__init__(name, min_budget, budget_ratio, **common)
-        self.matches, self.diagonal = top, diagonal
+        if ngram not in (1, 2):
+            raise ValueError(f"ngram: expected 1 or 2, got {ngram}")
+        self.matches, self.diagonal, self.ngram = top, diagonal, ngram
 
     def after_verify(self, layer, view):
         if self.diagonal:
@@ -550,11 +566,12 @@ class Induction(Diagonal):
 
     def draft(self, layer, view):
         mask, extra = super().draft(layer, view)
-        mask = mask | induction_keys(view, self.matches, mask.shape[-1])[:, None, :]
+        mask = mask | induction_keys(view, self.matches, mask.shape[-1], self.ngram)[:, None, :]
         return mask & view.old[:, None, :], extra
 
     def describe(self):
-        return f"{self.name} (successors of the latest {self.matches} matches{' + diagonal' if self.diagonal else ''})"
+        bigram = ", bigram matches first" if self.ngram == 2 else ""
+        return f"{self.name} (successors of the latest {self.matches} matches{bigram}{' + diagonal' if self.diagonal else ''})"
 
 
 POLICIES = {
@@ -582,7 +599,7 @@ def make_policy(spec: str, min_budget: int, budget_ratio: float = 0.05) -> Polic
             min_budget = int(value)
         elif key == "budget_ratio":
             budget_ratio = float(value)
-        elif key in ("page_size", "top", "num_sink", "diagonal", "confirm"):
+        elif key in ("page_size", "top", "num_sink", "diagonal", "confirm", "ngram"):
             kwargs[key] = int(value)
         elif key in ("with_pillar", "per_head"):
             kwargs[key] = value not in ("0", "false", "False")

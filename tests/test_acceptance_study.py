@@ -287,6 +287,20 @@ def test_induction_keys_are_the_successors_of_the_latest_old_matches():
     assert mask[1].nonzero().flatten().tolist() == [1, 3]  # recent_start 4: successors 1 and 3 only
 
 
+def test_bigram_induction_keys_put_matches_of_the_previous_token_first():
+    """`ngram=2`: the latest occurrences preceded by the query's previous token first, then the latest others."""
+    text = torch.tensor([5, 7, 1, 9, 7, 2, 5, 7, 3, 4, 9, 7, 5, 7])  # position 13 reads 7 after a 5
+    old = torch.arange(14)[None, :] < 12
+    view = DraftView(step=0, position=torch.tensor([13]), query=None, logits=None, draft_logits=None, old=old,
+                     recent=~old, budget=None, page_summaries=None, input_token=torch.tensor([7]), text=text)  # fmt: skip
+    # 7 occurs at 1, 4 and 7 with an old successor; 1 and 7 come after a 5
+    assert induction_keys(view, top=2, num_keys=14).nonzero()[:, 1].tolist() == [5, 8]  # the latest two
+    assert induction_keys(view, top=2, num_keys=14, ngram=2).nonzero()[:, 1].tolist() == [2, 8]  # the bigrams
+    assert induction_keys(view, top=3, num_keys=14, ngram=2).nonzero()[:, 1].tolist() == [2, 5, 8]  # back-off
+    with pytest.raises(ValueError, match="ngram"):
+        make_policy("induction:ngram=3", 64)
+
+
 def test_summary_rows():
     records = [
         {"policy": p, "min_budget": 64, "text": 0, "episode": e, "t": t, "budget": 64, "accepted": a,
