@@ -156,6 +156,9 @@ class DraftView:
 class Policy:
     """Base: a frozen selection made at each verification (`self.masks[layer]`), budget by the engine's rule.
 
+    `local=w`: every draft also attends the w newest old keys (a local window before the recent window),
+    and the selection's budget goes to the keys before them.
+
     `refresh=n`: only every n-th verification (the first one included) selects anew; in between the
     selection (and whatever else `after_verify` keeps) stays the last refresh's, and the drafts attend
     every key from that refresh's block start on as their recent window (as the engine would, to skip
@@ -167,8 +170,13 @@ class Policy:
     refreshable = True  # False: the policy selects at draft time (or keeps everything): `refresh=` is refused
 
     def __init__(self, name: str, min_budget: int, budget_ratio: float = 0.05, budget_scale: float = 1.0,
-                 pool: str = "mean", carry: float = 0.0, refresh: float = 1):  # fmt: skip
+                 pool: str = "mean", carry: float = 0.0, refresh: float = 1, local: float = 0):  # fmt: skip
         check_pool(pool)
+        if local != int(local) or local < 0:
+            raise ValueError(f"local: expected an int >= 0, got {local}")
+        if local and not self.carries_scores:
+            raise ValueError(f"local: {type(self).__name__} does not select by PillarAttn's score")
+        self.local = int(local)  # the newest old keys every draft attends besides its selection
         if not 0.0 <= carry < 1.0:
             raise ValueError(f"carry: expected 0 <= carry < 1, got {carry}")
         if carry and not self.carries_scores:
@@ -213,9 +221,12 @@ class Policy:
         """`draft`'s old-key mask, plus, after a verification that did not refresh, the old keys from
         the last refresh's block start on (the longer recent window such a cycle attends)."""
         mask, extra = self.draft(layer, view)
+        j = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+        if self.local:  # the newest `local` old keys
+            recent_start = view.old.sum(-1, keepdim=True)  # old keys are j < recent_start
+            mask = mask | ((j >= recent_start - self.local) & view.old)[:, None, :]
         kept = self.window_start is not None and (self.num_verified - 1) % self.refresh != 0  # the last one did not refresh
         if kept:
-            j = torch.arange(mask.shape[-1], device=mask.device)[None, :]
             window = (j >= self.window_start[:, None]) & view.old
             mask = mask | window[:, None, :]
         return mask, extra
@@ -225,6 +236,9 @@ class Policy:
         verification's carried score (a key's attention decays by `c` per cycle instead of being
         forgotten; keys that were not old then start from this verification's score alone)."""
         scores = view.pillar_scores(self.pool)
+        if self.local:  # the local window is attended anyway: the budget goes to keys before it
+            j = torch.arange(scores.shape[-1], device=scores.device)[None, :]
+            scores = scores.masked_fill((j >= view.block_start[:, None] - self.local)[:, None, :], float("-inf"))
         if self.carry > 0.0:
             previous = self.history[layer]
             if previous is not None:

@@ -39,7 +39,7 @@ K = 8
 SPECS = ["dense", "pillar", "streaming", "oracle_step", "oracle_first", "oracle_frozen", "quest:page_size=4",
          "rerank:candidates=2", "shared:mode=mass", "shared:mode=entropy", "diagonal", "induction",
          "induction:top=2,diagonal=1", "induction:top=2,diagonal=1,carry=0.5", "pillar:refresh=2",
-         "induction:top=2,diagonal=1,refresh=3"]  # fmt: skip
+         "induction:top=2,diagonal=1,refresh=3", "induction:top=2,diagonal=1,local=4"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,15 @@ def test_pillar_and_streaming_attend_exactly_the_budget(model, tokens):
         window = r["t"] - r["recent_start"] + (K + 1) / 2  # recent text keys + the mean draft keys of a step
         expected = 2 * units * (r["budget"] + window) * head_dim * study.kv_bytes
         assert r["bytes_per_step"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_local_window_adds_the_newest_old_keys_to_the_selections_budget(model, tokens):
+    """`local=w`: PillarAttn's B keys come from before the window, so a draft attends B + w old keys."""
+    _, records = run(model, tokens, ["pillar:local=6"], min_budget=8)
+    for r in records:
+        assert r["old_keys_per_head"] == min(r["recent_start"], r["budget"] + 6), r
+    with pytest.raises(ValueError, match="local"):
+        make_policy("streaming:local=4", 8)
 
 
 class BlindDrafts(Study):
