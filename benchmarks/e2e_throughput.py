@@ -25,8 +25,9 @@ plain one-token steps until a request's context reaches n tokens), `induction_di
 split into pieces of at least n keys instead of 1,024: `ar_compiled_fullsplit512`), then `_verifysplit<n>`
 (tiles of full rows with several queries, the verifications, at least n keys instead of 256:
 `induction_diagonal_compiled_refresh2_verifysplit1024`), then `_scoregrid<n>`
-(the scoring pass's grid: n programs per SM instead of 4) and `_scorechunk<n>` (its chunks grow to n keys
-instead of 256), and with `_unfused`
+(the scoring pass's grid: n programs per SM instead of 4), `_scorechunk<n>` (its chunks grow to n keys
+instead of 256) and `_padding<n>` (a row bucket's step pads at most n tokens instead of 16:
+`batch.MAX_PADDING_TOKENS`), and with `_unfused`
 appended last (the logits pipeline's fused paths off:
 transformers' processors, then torch.softmax, to price them), and the ablation ladder of the paper:
 `naive` (lockstep, no delayed verification, no graphs) -> `unified` (+ phase buckets) ->
@@ -83,6 +84,7 @@ from triton.testing import do_bench
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
+from hf_sparsespec import batch as batch_builder
 from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
@@ -179,6 +181,7 @@ MODULE_SUFFIXES = (
     ("_verifysplit", attention_plan, "MIN_KEYS_PER_VERIFY_SPLIT"),
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
+    ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
 )
 
 

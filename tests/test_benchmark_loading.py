@@ -124,6 +124,20 @@ def test_split_suffixes_set_the_engines_floors_for_their_run_only():
     assert (attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_VERIFY_SPLIT) == (1024, 256)
 
 
+def test_the_padding_suffix_sets_the_row_buckets_steps_for_its_run_only():
+    from e2e_throughput import run_fields, run_settings
+
+    from hf_sparsespec.batch import round_up_rows
+
+    # 228 one-token rows and 29 verifications of 9 tokens: steps of 16 and 2 rows by default
+    assert (round_up_rows(228, 256), round_up_rows(29, 256, 9)) == (240, 30)
+    with run_settings("induction_diagonal_compiled_refresh2_padding4"):
+        assert (round_up_rows(228, 256), round_up_rows(29, 256, 9)) == (228, 29)  # steps of 4 and 1
+    assert (round_up_rows(228, 256), round_up_rows(29, 256, 9)) == (240, 30)
+    assert run_fields("induction_diagonal_compiled_refresh2_padding4", None) == run_fields(
+        "induction_diagonal_compiled_refresh2", None)  # fmt: skip
+
+
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     from e2e_throughput import run_settings
 
