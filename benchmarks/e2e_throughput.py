@@ -358,7 +358,7 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         replays = engine.runner.counters.graph_replays
         pending = original(batch)
         replayed = engine.runner.counters.graph_replays > replays
-        launches.append((time.perf_counter() - start, replayed, int(batch.arrays["query_start"][len(batch.rows)])))
+        launches.append((time.perf_counter() - start, replayed, batch.num_real_tokens))
         padded_tokens.append(batch.shape.num_tokens)
         return pending
 

@@ -78,7 +78,7 @@ def _measure(model, prompts, args, run: str) -> dict:
 
     def run_and_record(batch):
         shapes.append(batch.shape)
-        real_tokens.append(int(batch.arrays["query_start"][len(batch.rows)]))
+        real_tokens.append(batch.num_real_tokens)
         return launch(batch)
 
     runner.run = run_and_record

@@ -169,6 +169,11 @@ class HostBatch:
     page_updates: tuple[np.ndarray, np.ndarray]  # new page-table entries: flat index, page
 
     @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the real rows; the rest of `shape.num_tokens` is the bucket's padding."""
+        return int(self.arrays["query_start"][len(self.rows)])
+
+    @property
     def num_results(self) -> int:
         shape = self.shape
         return shape.num_verify_rows * (shape.spec_len + 1) + shape.num_single_rows + shape.num_prefill_samples

@@ -303,10 +303,7 @@ class ModelRunner:
         if self.selection == "streaming" and shape.num_verify_rows:
             self._write_streaming_selection(w)
         position, input_index, kv_slot = f["position"].long(), w["input_index"], f["kv_slot"].long()
-        # a copy, not a view of the metadata buffer, whether shifted below or not: a compiled forward
-        # guards on its inputs' aliasing, and a view in one iteration and a fresh tensor in the next
-        # (shifted shapes) recompiled the whole forward
-        context_lens = f["context_len"].clone()
+        context_lens = f["context_len"]
         single_write, prefix_len = w["single_write"], w["logits_prefix_len"]
         if shape.shifted:  # speculative rows: add the accepted counts of the previous iteration's verifications
             position, input_index, kv_slot, context_lens, single_write, prefix_len = self.backend.shift_speculative_rows(
@@ -314,6 +311,10 @@ class ModelRunner:
                 self.page_table, self.cache.page_size, position, input_index, kv_slot, context_lens, single_write,
                 prefix_len,
             )  # fmt: skip
+        else:
+            # a copy, not a view of the metadata buffer, as the shift's results are: a compiled forward guards
+            # on its inputs' aliasing, and a view in one iteration and a fresh tensor in the next recompiled it
+            context_lens = context_lens.clone()
         if self.induction and shape.num_single_rows:  # after the shift: each draft's own position and token
             reads = single_write - 1  # each draft row's last token, the one it reads
             # the store's entries after the diagonal's (if any)
