@@ -20,7 +20,8 @@ finish with plain one-token steps), any of our drafting runs with `_refresh<n>` 
 (`induction_diagonal_compiled_refresh2`: `selection_refresh_interval=n`, one scoring pass every n
 verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`)
 and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
-plain one-token steps until a request's context reaches n tokens), `induction_diagonal_overlap` (`overlap_scoring=True`; and
+plain one-token steps until a request's context reaches n tokens), `_local<n>` (`local_window=n`: the
+drafts also attend the n newest old keys) and `_minbudget<n>` (`min_budget=n`), `induction_diagonal_overlap` (`overlap_scoring=True`; and
 `_compiled`), any of our runs with `_fullsplit<n>` appended (one-query full rows, the plain steps,
 split into pieces of at least n keys instead of 1,024: `ar_compiled_fullsplit512`), then `_verifysplit<n>`
 (tiles of full rows with several queries, the verifications, at least n keys instead of 256:
@@ -214,15 +215,22 @@ def run_settings(run: str):
 
 
 def run_fields(run: str, args) -> dict:
-    """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_from<n>` adds `min_draft_context=n`,
-    `<run>_refresh<n>` `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail`
-    `plain_tail_rows` (in that order: `pillar_tail_k16_refresh2_from2048`); `MODULE_SUFFIXES`
+    """SparseSpecConfig fields of a run name: SELECTIONS; `<run>_minbudget<n>` sets `min_budget=n`,
+    `<run>_local<n>` `local_window=n`, `<run>_from<n>` `min_draft_context=n`, `<run>_refresh<n>`
+    `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail` `plain_tail_rows`
+    (in that order: `pillar_tail_k16_refresh2_from2048_local16_minbudget80`); `MODULE_SUFFIXES`
     and then `_unfused`, last, change no field (see `run_settings`)."""
     run, _ = split_module_settings(run)
     fields = {}
+    base, _, budget = run.rpartition("_minbudget")
+    if base and budget.isdigit():
+        run, fields = base, dict(min_budget=int(budget))
+    base, _, window = run.rpartition("_local")
+    if base and window.isdigit():
+        run, fields = base, fields | dict(local_window=int(window))
     base, _, context = run.rpartition("_from")
     if base and context.isdigit():
-        run, fields = base, dict(min_draft_context=int(context))
+        run, fields = base, fields | dict(min_draft_context=int(context))
     base, _, interval = run.rpartition("_refresh")
     if base and interval.isdigit():
         run, fields = base, fields | dict(selection_refresh_interval=int(interval))

@@ -90,7 +90,7 @@ class StepShape:
             ("num_full_rows", 1), ("input_index", t), ("position", t), ("kv_slot", t),
             ("row_slot", r), ("query_start", r + 1), ("context_len", r), ("recent_start", r),
             ("selection_slot", r), ("num_selected", r),
-            ("verify_query_start", v + 1), ("num_old_keys", v), ("budget", v), ("verify_slot", v),
+            ("verify_query_start", v + 1), ("num_old_keys", v), ("num_selectable_keys", v), ("budget", v), ("verify_slot", v),
             ("verify_first_position", v), ("num_drafts", v), ("verify_base", v),
             ("draft_index", v * k), ("draft_prob_row", v * k),
             ("logits_token", n), ("logits_slot", n), ("logits_prefix_len", n), ("logits_params", self.num_params * n),
@@ -222,6 +222,7 @@ class BatchBuilder:
         recent = np.zeros(n_rows, np.int64)
         n_sel = np.zeros(n_rows, np.int64)
         budget = np.zeros(n_rows, np.int64)
+        selectable = np.zeros(n_rows, np.int64)
         refreshes = np.zeros(n_rows, bool)
         draft_step = np.zeros(n_rows, np.int64)
         shift_index = np.full(n_rows, -1, np.int64)
@@ -240,7 +241,7 @@ class BatchBuilder:
             elif row.kind is RowKind.DRAFT:
                 recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
             elif row.kind is RowKind.VERIFY:
-                budget[i], refreshes[i] = row.budget, row.refreshes
+                budget[i], refreshes[i], selectable[i] = row.budget, row.refreshes, row.selectable_keys
                 request.verify_result_index = verify_count
                 verify_count += 1
             if self.num_params:
@@ -319,6 +320,7 @@ class BatchBuilder:
         # a verification that keeps its request's selection scores no key and selects into the dummy slot
         v_refresh = refreshes[vr]
         a["num_old_keys"] = _pad(np.where(v_refresh, v_first, 0), pad_v, 0)
+        a["num_selectable_keys"] = _pad(np.where(v_refresh, selectable[vr], 0), pad_v, 0)
         a["budget"] = _pad(budget[vr], pad_v, 0)
         a["verify_slot"] = _pad(np.where(v_refresh, v_slot, dummy), pad_v, dummy)
         a["verify_first_position"] = _pad(v_first, pad_v, 0)

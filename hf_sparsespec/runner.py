@@ -366,7 +366,8 @@ class ModelRunner:
         if v and self.scores_verify_rows:  # the verifications' new selections, every layer at once
             moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
             self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
-                                              step.verify_slots, moves, step.best, self.group)  # fmt: skip
+                                              step.verify_slots, moves, step.best, self.group,
+                                              num_selectable_keys=f["num_selectable_keys"])  # fmt: skip
         # Verifications sample inside the acceptance; one-token rows and first tokens sample here, each row from
         # the noise of its own key (request, position of the drawn token, purpose: `sampling.sample_keys`).
         rows = LogitsRows(

@@ -158,6 +158,7 @@ class ScheduledRow:
     samples: bool  # whether the row's logits are sampled (not for non-final prefill chunks)
     draft_index: int = 0  # 1-based draft step of a DRAFT row
     budget: int = 0  # VERIFY: keys the selection keeps for the next cycle
+    selectable_keys: int = 0  # VERIFY: old keys the selection takes them from (those before the local window)
     speculative: bool = False  # DRAFT right after a verification with an unread result
     max_shift: int = 0  # speculative DRAFT: the most positions the device may shift it by (drafts verified)
     refreshes: bool = True  # VERIFY: scores its old keys and selects the next cycle's (`selection_refresh_interval`)
@@ -301,10 +302,12 @@ class Scheduler:
         self.allocator.ensure(request.request_id, row.context_len)
         row.refreshes = request.num_verifications % self.config.selection_refresh_interval == 0
         request.num_verifications += 1
-        if row.refreshes:
-            row.budget = 0 if self.config.selection == "dense" else min(first, self.config.budget(row.context_len))
+        if row.refreshes:  # the next cycle's window starts `local_window` keys before this block
+            window_start = 0 if self.config.selection == "dense" else max(first - self.config.local_window, 0)
+            row.budget = min(window_start, self.config.budget(row.context_len))
+            row.selectable_keys = window_start
             request.pending_budget = row.budget
-            request.pending_recent_start = 0 if self.config.selection == "dense" else first
+            request.pending_recent_start = window_start
         else:  # the next cycle drafts from the last refresh's selection, over a window from its block on
             request.pending_budget = request.num_selected
             request.pending_recent_start = request.recent_start

@@ -96,6 +96,12 @@ def test_run_names_map_to_config_fields():
         selection="induction_diagonal", selection_refresh_interval=2)
     assert run_fields("induction_diagonal_compiled_refresh2_verifysplit1024", args) == dict(
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2)
+    assert run_fields("induction_diagonal_compiled_refresh2_local16", args) == dict(
+        selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, local_window=16)
+    assert run_fields("pillar_from512_local8_minbudget80_padding4", args) == dict(
+        selection="pillar", min_draft_context=512, local_window=8, min_budget=80)
+    with pytest.raises(KeyError):
+        run_fields("pillar_localized", args)
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
     with pytest.raises(KeyError):

@@ -79,12 +79,12 @@ def test_greedy_equals_plain_generate_and_fewer_verifications_select(config, mon
         backend_class = TorchBackend
     original = backend_class.select_verified_keys
 
-    def spy(self, scores, num_old_keys, budgets, selected, slots, *args):
+    def spy(self, scores, num_old_keys, budgets, selected, slots, *args, **kwargs):
         real = slots < selected.shape[1] - 1  # the last slot is the dummy one
         selecting.append(int(real.sum()))
         verifying.append(len(slots))  # on the CPU nothing is padded: every row is a verification
         assert (num_old_keys[~real] == 0).all()  # nothing scored for a verification that keeps its selection
-        return original(self, scores, num_old_keys, budgets, selected, slots, *args)
+        return original(self, scores, num_old_keys, budgets, selected, slots, *args, **kwargs)
 
     monkeypatch.setattr(backend_class, "select_verified_keys", spy)
     model = tiny_model("qwen2")

@@ -52,6 +52,7 @@ class AttentionBackend(Protocol):
 
     def select_verified_keys(
         self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
+        num_selectable_keys=None,
     ) -> None: ...  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor: ...
@@ -100,9 +101,11 @@ class TorchBackend:
 
     def select_verified_keys(
         self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
+        num_selectable_keys=None,
     ) -> None:  # fmt: skip
-        """`offsets` were written while scoring."""
-        select_verified_keys_ref(scores, num_old_keys, budgets, selected, slots)
+        """`offsets` were written while scoring (from every old key)."""
+        selectable = num_old_keys if num_selectable_keys is None else num_selectable_keys
+        select_verified_keys_ref(scores, selectable, budgets, selected, slots)
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample_ref(probs, keys)

@@ -418,14 +418,19 @@ def select_verified_keys(
     offsets: torch.Tensor | None = None,  # [num_layers, num_slots, num_kv_heads, num_entries] int32
     best: torch.Tensor | None = None,  # [num_layers, num_rows, num_kv_heads, num_entries] int64
     group: int = 1,
+    num_selectable_keys: torch.Tensor | None = None,  # [num_rows] int32, <= num_old_keys
 ) -> None:
     """The engine's selection after the forward, on Triton (each layer scored by `pillar_scores_into`
     into its plane): every layer's top keys into `selected[:, slots]` in one launch and, for
     `"diagonal"`, every layer's moved-key offsets into `offsets[:, slots]` from `best` (left zeroed)
-    in another. Without the layer dimension (`update_selection`), one layer's."""
+    in another. Without the layer dimension (`update_selection`), one layer's. The top keys are
+    taken among the first `num_selectable_keys[r]` old keys (the keys before the drafts' local
+    window, `SparseSpecConfig.local_window`; None: all `num_old_keys[r]`); the moved keys' query
+    positions stay `num_old_keys[r] + i`."""
     if (offsets is None) != (best is None):
         raise ValueError("offsets and best: expected both (the diagonal selection) or neither")
-    select_top_keys_into(scores, num_old_keys, budgets, selected, slots)
+    selectable = num_old_keys if num_selectable_keys is None else num_selectable_keys
+    select_top_keys_into(scores, selectable, budgets, selected, slots)
     if offsets is not None:
         store_moved_offsets(best, num_old_keys, offsets, slots, group)
 
@@ -459,8 +464,8 @@ def select_verified_keys_ref(
     slots: torch.Tensor,
 ) -> None:
     """Reference of `select_verified_keys`: each layer's `select_top_keys` rows into `selected[layer,
-    slots]` (-1 padded); keys from `num_old_keys[r]` on are never selected, whatever the workspace
-    holds there."""
+    slots]` (-1 padded); keys from `num_old_keys[r]` on (pass the selectable keys' count) are never
+    selected, whatever the workspace holds there."""
     width = scores.shape[-1]
     stale = torch.arange(width, device=scores.device)[None, None, :] >= num_old_keys.to(scores.device)[:, None, None]
     budgets = torch.minimum(budgets, num_old_keys)

@@ -51,8 +51,9 @@ class TritonBackend:
 
     def select_verified_keys(
         self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
+        num_selectable_keys=None,
     ) -> None:  # fmt: skip
-        select_verified_keys(scores, num_old_keys, budgets, selected, slots, offsets, best, group)
+        select_verified_keys(scores, num_old_keys, budgets, selected, slots, offsets, best, group, num_selectable_keys)
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample(probs, keys)
