@@ -207,3 +207,25 @@ def test_plain_steps_below_the_draft_context_with_graphs_equal_eager_and_plain_g
     replayed = [*with_graphs.buckets.captured, *with_graphs.buckets.borrowed]
     plain_only = [bucket for bucket in replayed if bucket[0] == 0 and bucket[1] > 0]
     assert plain_only and with_graphs.counters.graph_replays > 0 and without.counters.graph_replays == 0
+
+
+@pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
+@pytest.mark.parametrize("selection", ["induction_diagonal", "pillar"])
+def test_a_local_window_with_graphs_equals_eager_and_plain_generate(selection, compile_forward, runners):
+    """`local_window=5`: the drafts' recent windows start five keys before the refreshing
+    verification's block, inside captured iterations (and with `selection_refresh_interval=2`);
+    graphs = eager = plain `generate`, and the acceptance differs from no window."""
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    outs = []
+    for graphs, window in ((True, 5), (False, 5), (True, 0)):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, budget_ratio=0.01, page_size=4,
+                                  selection=selection, cuda_graphs=graphs, selection_refresh_interval=2,
+                                  compile_forward=compile_forward and graphs, local_window=window)  # fmt: skip
+        outs.append(_generate(model, ids, mask, config, do_sample=False))
+    assert_greedy_equal(model, expected, outs[0].sequences, mask)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].sparsespec_stats.total.as_dict() == outs[1].sparsespec_stats.total.as_dict()
+    assert outs[0].sparsespec_stats.total.as_dict() != outs[2].sparsespec_stats.total.as_dict()
+    assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0
