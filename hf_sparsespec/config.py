@@ -159,9 +159,10 @@ class SparseSpecConfig:
             cycles' recent window at `p - local_window` instead of p, and selects its budget among
             the keys before that (moved and induction keys too land before it). Reads `local_window`
             more keys per draft step for every layer and KV head; lossless (only acceptance changes).
-            Teacher-forced on Qwen2.5-Coder-1.5B (CPU, 144-288 cycles), 16 keys with
-            `"induction_diagonal"` accepted +0.12 +- 0.05 more of 8 at 1.26x the draft bytes
-            (docs/measurements.md 28). 0 (the default): none.
+            Teacher-forced on Qwen2.5-Coder-1.5B (960 cycles on each of two text sets), 16 keys with
+            `"induction_diagonal"` accepted 7.25 of 8 at 1.27x PillarAttn's draft bytes on both, as
+            much per byte as a higher `min_budget` (104 on the held-out texts: 7.28 at 1.29x) and no more
+            (docs/measurements.md 29). 0 (the default): none.
     """
 
     num_draft_tokens: int = 8
