@@ -40,7 +40,9 @@ per iteration next to device ms per iteration (CUDA events around each iteration
 result copy), and the ideal iteration time: the larger of (weights + KV each iteration must read) /
 the device's copy bandwidth and its FLOPs / the device's bf16 GEMM rate, from the iteration's real rows
 (`--roofline measured`, the default: both timed at the start, ~1 s; `h200`: the H200's 4.26 TB/s and
-790 TFLOP/s, the constants of the runs before 2026-12-05); the seconds until the first
+790 TFLOP/s, the constants of the runs before 2026-12-05), and the ideal tokens/s (the run's tokens
+over its iterations' ideal times: the most it could decode on that roofline) with its ratio to AR's,
+the bound of the speed-up over AR; the seconds until the first
 graph replay (start-up), and tokens/s while the batch is full (up to the first finish with nobody
 waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
 accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
@@ -403,6 +405,8 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         "wall_ms_per_iter": 1000 * seconds / iterations, "gpu_ms_per_iter": float(np.mean(gpu_ms)),
         "gpu_ms_per_iter_decode": float(np.mean(gpu_ms[decode])), "ideal_ms_per_iter": 1000 * float(np.mean(ideal.seconds)),
         "ideal_kv_gb_per_iter": float(np.mean(ideal.kv_bytes)) / 1e9, "weight_gb": ideal.weight_bytes / 1e9,
+        # the run's tokens over its iterations' ideal times: the bound of its tok/s on this roofline
+        "ideal_tokens_per_s": tokens / max(float(np.sum(ideal.seconds)), 1e-12),
         "mean_accepted": stats.total.mean_accepted_per_drafting_cycle, "plain_steps": stats.total.plain_steps,
         "mean_accepted_all_cycles": stats.total.mean_accepted_per_cycle, "histogram": stats.total.accepted_histogram,
         "graph_replays": counters.graph_replays, "eager_iterations": counters.eager_iterations,
@@ -623,9 +627,11 @@ def main() -> None:
           f"{roofline.hbm_bytes_per_s / 1e12:.2f} TB/s and {roofline.bf16_flops_per_s / 1e12:.0f} TFLOP/s "
           f"({roofline.source})")  # fmt: skip
     print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
-          "(decode) | ideal ms/iter | GPU / ideal | wall / GPU | graphs (replays / eager) | padded tokens | "
-          "s to first replay | tok/s while the batch is full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(decode) | ideal ms/iter | GPU / ideal | ideal tok/s (vs AR's) | wall / GPU | graphs (replays / eager) | "
+          "padded tokens | s to first replay | tok/s while the batch is full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ar_run = runs.get("ar") or runs.get("ar_compiled") or {}
+    ar_ideal = ar_run.get("ideal_tokens_per_s")
 
     def ratio(x, base):
         return f"{x / base:.2f}x" if base else "-"
@@ -640,10 +646,11 @@ def main() -> None:
         gpu_over_ideal = f"{gpu / r['ideal_ms_per_iter']:.2f}" if gpu else "-"
         graphs = f"{r['graphs_captured']} ({r['graph_replays']} / {r['eager_iterations']})" if "graphs_captured" in r else "-"
         padding = f"+{100 * r['padding_share']:.1f} %" if "padding_share" in r else "-"
+        ideal_rate = f"{r['ideal_tokens_per_s']:.0f} ({ratio(r['ideal_tokens_per_s'], ar_ideal)})" if "ideal_tokens_per_s" in r else "-"
         print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
               f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
               f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
-              f"{gpu_over_ideal} | {wall_over_gpu} | {graphs} | {padding} | {num(r, 'seconds_to_first_replay', '.1f')} | "
+              f"{gpu_over_ideal} | {ideal_rate} | {wall_over_gpu} | {graphs} | {padding} | {num(r, 'seconds_to_first_replay', '.1f')} | "
               f"{num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
 
     kv_runs = {run: r for run, r in runs.items() if "kv" in r}

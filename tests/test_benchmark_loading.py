@@ -276,3 +276,14 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
         assert all(tokens >= rows for tokens, rows in zip(run["iteration_tokens"], run["iteration_rows"]))
     assert max(t - r for t, r in zip(runs["pillar"]["iteration_tokens"], runs["pillar"]["iteration_rows"])) >= 8
     assert "| padded tokens |" in done.stdout
+    # the ideal tokens/s: the run's tokens over its iterations' ideal times, and its ratio to AR's in the table
+    for name, run in runs.items():
+        ideal_seconds = run["iterations"] * run["ideal_ms_per_iter"] / 1000
+        assert run["ideal_tokens_per_s"] == pytest.approx(run["tokens"] / ideal_seconds, rel=1e-9), name
+    bound = runs["pillar"]["ideal_tokens_per_s"] / runs["ar"]["ideal_tokens_per_s"]
+    rows = {}  # each run's first table row (the throughput table's; the KV table follows)
+    for line in done.stdout.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split(" | ")[0].strip("| "), line)
+    assert f"{runs['ar']['ideal_tokens_per_s']:.0f} (1.00x)" in rows["ar"]
+    assert f"{runs['pillar']['ideal_tokens_per_s']:.0f} ({bound:.2f}x)" in rows["pillar"]
