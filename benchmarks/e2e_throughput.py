@@ -21,9 +21,10 @@ finish with plain one-token steps), any of our drafting runs with `_refresh<n>` 
 verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`)
 and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
 plain one-token steps until a request's context reaches n tokens), `_local<n>` (`local_window=n`: the
-drafts also attend the n newest old keys) and `_minbudget<n>` (`min_budget=n`), `induction_diagonal_overlap` (`overlap_scoring=True`; and
-`_compiled`), any of our runs with `_fullsplit<n>` appended (one-query full rows, the plain steps,
-split into pieces of at least n keys instead of 1,024: `ar_compiled_fullsplit512`), then `_verifysplit<n>`
+drafts also attend the n newest old keys) and `_minbudget<n>` (`min_budget=n` instead of
+`--min-budget`), `induction_diagonal_overlap` (`overlap_scoring=True`; and `_compiled`), any of our
+runs with `_fullsplit<n>` appended (one-query full rows, the plain steps, split into pieces of at
+least n keys instead of 1,024: `ar_compiled_fullsplit512`), then `_verifysplit<n>`
 (tiles of full rows with several queries, the verifications, at least n keys instead of 256:
 `induction_diagonal_compiled_refresh2_verifysplit1024`), then `_scoregrid<n>`
 (the scoring pass's grid: n programs per SM instead of 4), `_scorechunk<n>` (its chunks grow to n keys
@@ -242,6 +243,13 @@ def run_fields(run: str, args) -> dict:
     if run.endswith("_tail"):
         run, fields = run.removesuffix("_tail"), fields | dict(plain_tail_rows=getattr(args, "plain_tail_rows", 64))
     return SELECTIONS[run] | fields
+
+
+def run_config(run: str, args, kv_policy: str) -> SparseSpecConfig:
+    """The engine's config of one of our runs: `--min-budget`, the KV policy and a slot per request of
+    the batch, then the run name's fields (`run_fields`; `_minbudget<n>` overrides `--min-budget`)."""
+    fields = dict(min_budget=args.min_budget, kv_policy=kv_policy, max_num_requests=args.batch)
+    return SparseSpecConfig(**(fields | run_fields(run, args)))
 
 
 def dynamo_graphs() -> int:
@@ -580,8 +588,7 @@ def main() -> None:
         if run == "hf_static":
             result = run_hf_static(model, prompts, args.batch, pad or 0, args.device, settings, n)
         else:
-            config = SparseSpecConfig(min_budget=args.min_budget, kv_policy=policy, max_num_requests=args.batch,
-                                      **run_fields(run, args))  # fmt: skip
+            config = run_config(run, args, policy)
             if args.num_pages is not None:
                 pages = args.num_pages
                 pages = "1/3" if pages == "third" else pages
@@ -646,11 +653,14 @@ def main() -> None:
         gpu_over_ideal = f"{gpu / r['ideal_ms_per_iter']:.2f}" if gpu else "-"
         graphs = f"{r['graphs_captured']} ({r['graph_replays']} / {r['eager_iterations']})" if "graphs_captured" in r else "-"
         padding = f"+{100 * r['padding_share']:.1f} %" if "padding_share" in r else "-"
-        ideal_rate = f"{r['ideal_tokens_per_s']:.0f} ({ratio(r['ideal_tokens_per_s'], ar_ideal)})" if "ideal_tokens_per_s" in r else "-"
+        ideal_rate = "-"
+        if "ideal_tokens_per_s" in r:
+            ideal_rate = f"{r['ideal_tokens_per_s']:.0f} ({ratio(r['ideal_tokens_per_s'], ar_ideal)})"
         print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
               f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
               f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
-              f"{gpu_over_ideal} | {ideal_rate} | {wall_over_gpu} | {graphs} | {padding} | {num(r, 'seconds_to_first_replay', '.1f')} | "
+              f"{gpu_over_ideal} | {ideal_rate} | {wall_over_gpu} | {graphs} | {padding} | "
+              f"{num(r, 'seconds_to_first_replay', '.1f')} | "
               f"{num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
 
     kv_runs = {run: r for run, r in runs.items() if "kv" in r}

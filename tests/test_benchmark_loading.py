@@ -102,6 +102,14 @@ def test_run_names_map_to_config_fields():
         selection="pillar", min_draft_context=512, local_window=8, min_budget=80)
     with pytest.raises(KeyError):
         run_fields("pillar_localized", args)
+    # the run's own floor overrides the script's --min-budget
+    from e2e_throughput import run_config
+
+    args = Namespace(plain_tail_rows=32, min_budget=128, batch=16)
+    config = run_config("induction_diagonal_refresh2_local16_minbudget80", args, "reserve")
+    assert (config.min_budget, config.local_window, config.selection_refresh_interval) == (80, 16, 2)
+    assert (config.kv_policy, config.max_num_requests) == ("reserve", 16)
+    assert run_config("pillar", args, "dynamic").min_budget == 128
     with pytest.raises(KeyError):
         run_fields("pillar_refreshed", args)
     with pytest.raises(KeyError):

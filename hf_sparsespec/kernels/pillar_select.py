@@ -464,8 +464,8 @@ def select_verified_keys_ref(
     slots: torch.Tensor,
 ) -> None:
     """Reference of `select_verified_keys`: each layer's `select_top_keys` rows into `selected[layer,
-    slots]` (-1 padded); keys from `num_old_keys[r]` on (pass the selectable keys' count) are never
-    selected, whatever the workspace holds there."""
+    slots]` (-1 padded); keys from `num_old_keys[r]` on are never selected, whatever the workspace
+    holds there (the backend passes the keys before the local window as `num_old_keys`)."""
     width = scores.shape[-1]
     stale = torch.arange(width, device=scores.device)[None, None, :] >= num_old_keys.to(scores.device)[:, None, None]
     budgets = torch.minimum(budgets, num_old_keys)
