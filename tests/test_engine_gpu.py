@@ -28,6 +28,17 @@ def runners(monkeypatch):
     return made
 
 
+def assert_graphs_equal_eager_and_plain_generate_and_the_option_matters(model, expected, mask, outs, runners):
+    """`outs`: an option with graphs, the same eagerly, graphs without the option (the first two
+    runners'). The first equals plain `generate` and the eager run, outputs and statistics, and the
+    option changed the acceptance."""
+    assert_greedy_equal(model, expected, outs[0].sequences, mask)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].sparsespec_stats.total.as_dict() == outs[1].sparsespec_stats.total.as_dict()
+    assert outs[0].sparsespec_stats.total.as_dict() != outs[2].sparsespec_stats.total.as_dict()
+    assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0
+
+
 def _generate(model, ids, mask, config, max_new_tokens=48, **kwargs):
     return model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, generation_strategy="sparsespec",
@@ -177,11 +188,7 @@ def test_refreshing_every_other_verification_with_graphs_equals_eager_and_plain_
                                   cuda_graphs=graphs, compile_forward=compile_forward and graphs,
                                   selection_refresh_interval=interval)  # fmt: skip
         outs.append(_generate(model, ids, mask, config, do_sample=False))
-    assert_greedy_equal(model, expected, outs[0].sequences, mask)
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert outs[0].sparsespec_stats.total.as_dict() == outs[1].sparsespec_stats.total.as_dict()
-    assert outs[0].sparsespec_stats.total.as_dict() != outs[2].sparsespec_stats.total.as_dict()
-    assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0
+    assert_graphs_equal_eager_and_plain_generate_and_the_option_matters(model, expected, mask, outs, runners)
 
 
 @pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
@@ -224,8 +231,4 @@ def test_a_local_window_with_graphs_equals_eager_and_plain_generate(selection, c
                                   selection=selection, cuda_graphs=graphs, selection_refresh_interval=2,
                                   compile_forward=compile_forward and graphs, local_window=window)  # fmt: skip
         outs.append(_generate(model, ids, mask, config, do_sample=False))
-    assert_greedy_equal(model, expected, outs[0].sequences, mask)
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert outs[0].sparsespec_stats.total.as_dict() == outs[1].sparsespec_stats.total.as_dict()
-    assert outs[0].sparsespec_stats.total.as_dict() != outs[2].sparsespec_stats.total.as_dict()
-    assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0
+    assert_graphs_equal_eager_and_plain_generate_and_the_option_matters(model, expected, mask, outs, runners)
