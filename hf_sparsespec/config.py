@@ -68,8 +68,9 @@ class SparseSpecConfig:
             look, found from the token ids alone, refreshed at every step), `"induction_diagonal"`
             (both: PillarAttn's keys, the diagonal's moved keys and the induction keys; the default,
             and the best acceptance measured: teacher-forced on Qwen2.5-Coder-1.5B at ~4K contexts,
-            960 cycles, 7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes, 7.32 at 1.302x
-            with `min_budget=112` against PillarAttn's 64; through the engine on the H200, 7.78
+            960 cycles, 7.17 of 8 against PillarAttn's 6.57 at 1.14x its draft bytes, 7.31 at 1.294x
+            with `min_budget=110` against PillarAttn's 64 (held-out texts: 7.30 at 1.296x with 106,
+            docs/measurements.md 29); through the engine on the H200, 7.78
             against 6.02 and 1.30x PillarAttn's tokens/s at 256 x 8192, 1.40x with 6x the K/V per
             token, docs/measurements.md 11-13; `"pillar"` is the paper's selection),
             `"streaming"` (first `num_sink_tokens` keys plus the
