@@ -541,9 +541,7 @@ def induction_keys(view: DraftView, top: int, num_keys: int, ngram: int = 1) -> 
     preceding token also equals the query's preceding token come first (the latest of them), then the
     latest other occurrences fill the `top` (a bigram match with a unigram back-off). The preceding
     token is the text's at `position - 1`: the committed token at step 0, the previous draft after it
-    (for a draft that counts, every earlier draft matched the text)."""
-    if ngram not in (1, 2):
-        raise ValueError(f"ngram: expected 1 or 2, got {ngram}")
+    (for a draft that counts, every earlier draft matched the text); `Induction` checks it."""
     j = torch.arange(num_keys - 1, device=view.text.device)
     match = (view.text[None, :-1] == view.input_token[:, None]) & view.old[:, 1:]  # successor j + 1 is old
     rank = torch.where(match, j[None, :], -1)
