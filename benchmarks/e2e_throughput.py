@@ -48,7 +48,8 @@ graph replay (start-up), and tokens/s while the batch is full (up to the first f
 waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
 accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
 batch full by continuous batching). Each of our runs is warmed once on the same prompts first (48
-tokens; `--no-warm` times them cold). Prints a table last, writes JSON (with every iteration's rows,
+tokens; with `_from<n>` one drafting and one crossing warm-up, `warm_configs`; `--no-warm` times them
+cold). Prints a table last, writes JSON (with every iteration's rows,
 mean context and device ms) to --out.
 
 KV policies (`--kv-policy reserve,dynamic` runs each of our runs under each; `--num-pages` caps the
@@ -93,6 +94,7 @@ from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
+from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
 from hf_sparsespec.kernels import attention_plan, pillar_select
 from hf_sparsespec.sampling import LogitsPipeline
 
@@ -259,15 +261,34 @@ def dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def warm_configs(config: SparseSpecConfig, prompts: list[list[int]], tokens: int) -> list[SparseSpecConfig]:
-    """The configs a run warms up with, `tokens` new tokens each: the run's own, or with `min_draft_context`
-    (plain steps first) one that drafts from the start and one whose plain steps last half the warm-up
-    for the longest prompt: the compiled forward sees the drafting shapes, the plain-only ones and the
-    mixed ones of requests crossing the threshold, each of which dynamo compiles once."""
+def warm_configs(config: SparseSpecConfig, prompts: list[list[int]], tokens: int) -> list[tuple[SparseSpecConfig, int]]:
+    """The configs a run warms up with, and the new tokens of each: the run's own for `tokens`, or with
+    `min_draft_context` (plain steps first) one that drafts from the start for `tokens` and one whose
+    plain steps last until the plain-only bucket has bought its own graph, then drafts `tokens // 2`
+    more (for the longest prompt): the compiled forward sees the drafting shapes, the plain-only ones
+    (a variant of their own) and the mixed ones of requests crossing the threshold, each of which
+    dynamo compiles once. The plain-only bucket borrows the batch's first graph until its padding has
+    cost a capture (`graph_buckets`): ~26 iterations at 256 rows but ~92 at 64, and a warm-up that
+    ended before that left a 32.6 s compilation inside a timed 64 x 8192 run (docs/measurements.md 30).
+    Without `compile_forward` that capture compiles nothing of its own: the plain steps last `tokens // 2`."""
     if not config.min_draft_context:
-        return [config]
-    crossing = max(len(p) for p in prompts) + 1 + tokens // 2
-    return [dataclasses.replace(config, min_draft_context=0), dataclasses.replace(config, min_draft_context=crossing)]
+        return [(config, tokens)]
+    slots = min(config.max_num_requests, len(prompts))
+    plain = plain_steps_to_own_graph(config.num_draft_tokens, slots) if config.compile_forward else tokens // 2
+    crossing = max(len(p) for p in prompts) + 1 + plain
+    return [
+        (dataclasses.replace(config, min_draft_context=0), tokens),
+        (dataclasses.replace(config, min_draft_context=crossing), plain + tokens // 2),
+    ]
+
+
+def plain_steps_to_own_graph(k: int, num_slots: int, margin: int = 4) -> int:
+    """Plain steps a full batch of `num_slots` requests takes until its plain-only bucket replays a graph of
+    its own: it borrows the first graph (`GraphBuckets.first_graph`) until the padding adds up to
+    `CAPTURE_AFTER_PADDING_TOKENS`, then runs once eagerly and is captured; `margin` more for the prefill."""
+    buckets = GraphBuckets(k + 1, num_slots)
+    padding = buckets.tokens(buckets.first_graph()) - num_slots
+    return -(-CAPTURE_AFTER_PADDING_TOKENS // max(padding, 1)) + 1 + margin
 
 
 class StopAfter(StoppingCriteria):
@@ -599,8 +620,8 @@ def main() -> None:
                 if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
                     # dynamo's compilation with compile_forward); graphs are per call and are captured again
                     started = time.perf_counter()
-                    short = GenerationConfig(**{**settings, "max_new_tokens": min(48, n), "min_new_tokens": min(48, n)})
-                    for warm_config in warm_configs(config, prompts, min(48, n)):
+                    for warm_config, tokens in warm_configs(config, prompts, min(48, n)):
+                        short = GenerationConfig(**{**settings, "max_new_tokens": tokens, "min_new_tokens": tokens})
                         hf_sparsespec.generate_batch(model, prompts, short, warm_config)
                     print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
                 # the AR mode (no drafts) scores nothing: its rows are plain steps

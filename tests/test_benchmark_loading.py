@@ -167,15 +167,33 @@ def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
 
 
 def test_warm_ups_cover_the_plain_drafting_and_crossing_shapes():
-    from e2e_throughput import warm_configs
+    """With plain steps first, the crossing warm-up lasts until the plain-only bucket has its own graph
+    (so dynamo compiles its variant there, not in the timed run): at 64 rows it borrows the first graph
+    of 10 verify rows x 9 + 64 = 154 tokens, 90 of them padding, for ceil(8192 / 90) = 92 iterations."""
+    from e2e_throughput import plain_steps_to_own_graph, warm_configs
 
     from hf_sparsespec import SparseSpecConfig
+    from hf_sparsespec.graph_buckets import GraphBuckets
 
     prompts = [[1] * 120, [1] * 250, [1] * 90]
-    plain = SparseSpecConfig(min_draft_context=2048)
-    assert warm_configs(SparseSpecConfig(), prompts, 48) == [SparseSpecConfig()]
-    drafting, crossing = warm_configs(plain, prompts, 48)
-    assert drafting.min_draft_context == 0 and crossing.min_draft_context == 250 + 1 + 24
+    assert warm_configs(SparseSpecConfig(), prompts, 48) == [(SparseSpecConfig(), 48)]
+    compiled = SparseSpecConfig(min_draft_context=2048, compile_forward=True)
+    (drafting, drafting_tokens), (crossing, crossing_tokens) = warm_configs(compiled, prompts, 48)
+    plain = plain_steps_to_own_graph(8, 3)
+    assert drafting.min_draft_context == 0 and drafting_tokens == 48
+    assert crossing.min_draft_context == 250 + 1 + plain and crossing_tokens == plain + 24
+    # eager forward: nothing compiles with the plain-only graph, half the warm-up is plain steps
+    (_, _), (crossing, crossing_tokens) = warm_configs(SparseSpecConfig(min_draft_context=2048), prompts, 48)
+    assert crossing.min_draft_context == 250 + 1 + 24 and crossing_tokens == 48
+    assert GraphBuckets(9, 64).tokens(GraphBuckets(9, 64).first_graph()) == 154
+    assert plain_steps_to_own_graph(8, 64) == 92 + 1 + 4
+    # the simulated bookkeeping agrees: the plain-only bucket of a full 64-row batch gets its own graph then
+    buckets, plain_only = GraphBuckets(9, 64), (0, 64, False)
+    buckets.add(buckets.first_graph())
+    step = 0
+    while buckets.choose(plain_only) != plain_only:
+        step += 1
+    assert step == 92 and buckets.ran_eagerly(plain_only)
 
 
 def test_the_ideal_iteration_is_priced_at_the_runs_roofline():
