@@ -5,6 +5,7 @@ small launch costs ~2-3 us of a CUDA graph's replay on an H100 whatever its size
 
     TRITON_INTERPRET=1 python benchmarks/count_step_ops.py --k 8 --selection induction_diagonal
     TRITON_INTERPRET=1 python benchmarks/count_step_ops.py --k 0          # our autoregressive mode
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py --k 8 --min-draft-context 10000   # plain steps of k = 8
 
 A tiny random Qwen2 model (tests/models.py), 12 requests of 40-73 prompt tokens, sampling at T=0.65
 (the fused temperature path, as the end-to-end benchmark), the Triton backend (interpreted: set
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=25)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--min-draft-context", type=int, default=0,
+                        help="SparseSpecConfig.min_draft_context (e.g. 10000: every counted iteration plain steps)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("set TRITON_INTERPRET=1 before running (the Triton backend on the CPU)")
@@ -83,7 +86,7 @@ def main() -> None:
     job = prepare_batch(model, prompts, gen)
     fields = dict(num_draft_tokens=args.k, backend="triton")
     if args.k:
-        fields |= dict(selection=args.selection, min_budget=8)
+        fields |= dict(selection=args.selection, min_budget=8, min_draft_context=args.min_draft_context)
     engine = Engine(model, job.requests, SparseSpecConfig(**fields), job.pipeline, job.do_sample, job.stop_checker)
     runner, counter = engine.runner, OpCounter()
     launches: collections.Counter = collections.Counter()
