@@ -411,12 +411,13 @@ class ModelRunner:
                 target_keys = keys[: v * spec].view(v, spec, 2)
                 verify_rows = torch.arange(v, device=self.device)
 
-                def sample(residual: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-                    return self.backend.keyed_sample(residual, target_keys[verify_rows, accepted])
+                def sample_residual(target_rows, store_rows, accepted: torch.Tensor) -> torch.Tensor:
+                    return self.backend.keyed_sample_residual(probs, target_rows, draft_probs, store_rows,
+                                                              target_keys[verify_rows, accepted])  # fmt: skip
 
                 accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
-                                                      draft_probs, self.backend.keyed_uniform(f["accept_key"]), sample,
-                                                      draft_rows)  # fmt: skip
+                                                      draft_probs, self.backend.keyed_uniform(f["accept_key"]),
+                                                      draft_rows=draft_rows, sample_residual=sample_residual)  # fmt: skip
                 accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
             flat_tokens[w["verify_base"] + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))

@@ -370,6 +370,7 @@ def accept_sampled(
     uniform: torch.Tensor | None = None,  # [num_rows, k] float32 in (0, 1); None: torch.rand
     sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     draft_rows: torch.Tensor | None = None,  # [num_rows, k] int64 rows of a store `draft_probs [N, vocab]`
+    sample_residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling: `(accepted [num_rows], next_token [num_rows])`; the committed
     tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling.
@@ -378,7 +379,10 @@ def accept_sampled(
     draws the recovered or bonus token (at draft index `accepted`); by default both come from torch's
     generator (`sample_from`). With `draft_rows`, the draft distributions are read where they are
     kept (the engine's store): only the drafted tokens' probabilities and the one row each
-    rejection needs, not a copy of every row."""
+    rejection needs, not a copy of every row. `sample_residual(target_rows, store_rows, accepted)`
+    instead of `sample`: draws that token itself from `max(p - q, 0)` (`keyed_sample_residual`), p the
+    row `target_rows[r]` of `target_probs` viewed `[num_rows * (k + 1), vocab]`, q the store's row
+    `store_rows[r]` (-1 for a bonus token: nothing subtracted), so no residual row is materialised."""
     num_rows, k = draft_tokens.shape
     device = draft_tokens.device
     sample = sample if sample is not None else (lambda probs, accepted: sample_from(probs))
@@ -398,8 +402,11 @@ def accept_sampled(
     keep = (uniform * q < p) & valid  # accept with probability min(1, p / q)
     accepted = keep.long().cumprod(dim=1).sum(dim=1)
     rows = torch.arange(num_rows, device=device)
-    p_next = target_probs[rows, accepted]  # [num_rows, vocab]
     rejected = accepted < num_drafts
+    if sample_residual is not None:
+        store_rows = torch.where(rejected, draft_rows[rows, accepted.clamp(max=k - 1)], -1)
+        return accepted, sample_residual(rows * (k + 1) + accepted, store_rows, accepted)
+    p_next = target_probs[rows, accepted]  # [num_rows, vocab]
     q_next = store[draft_rows[rows, accepted.clamp(max=k - 1)]] * rejected[:, None]
     residual = (p_next - q_next).clamp(min=0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_next)

@@ -19,6 +19,8 @@ from hf_sparsespec.kernels.keyed_sample import (
     hash32_ref,
     keyed_sample,
     keyed_sample_ref,
+    keyed_sample_residual,
+    keyed_sample_residual_ref,
     keyed_uniform,
     keyed_uniform_ref,
     position_keys_ref,
@@ -125,6 +127,81 @@ def test_triton_kernel_equals_the_reference(vocab, dtype, device):
     assert keyed_sample(probs, keys.long()).tolist() == expected.tolist()  # int64 keys: the same words
     many = probs.repeat(8, 1)  # 72 rows: fewer splits per row
     assert keyed_sample(many, keys.repeat(8, 1)).tolist() == expected.tolist() * 8
+
+
+@pytest.mark.parametrize("vocab", [1, 97, 5000, 13000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_residual_draws_equal_the_reference_and_the_materialised_residual(vocab, dtype, device):
+    """`keyed_sample_residual` reads each draw's target row and store row in place: its tokens are the
+    reference's, and the reference's are `keyed_sample` of the residual rows built explicitly (what the
+    engine did before), for rejections (a store row subtracted), bonus tokens (-1: nothing subtracted),
+    a row with nothing left of p - q (p equal to q: p's own draw) and rows drawn twice."""
+    generator = torch.Generator().manual_seed(vocab + 1)
+    probs = torch.rand(14, vocab, generator=generator).pow(3).softmax(-1)
+    probs[:, 2::5] = 0.0
+    store = torch.rand(9, vocab, generator=generator).pow(3).softmax(-1)
+    store[6] = probs[5]  # draw 3 subtracts its own target row: nothing left, p's own draw
+    rows = torch.tensor([0, 13, 7, 5, 7, 2, 11, 4])
+    store_rows = torch.tensor([3, -1, 8, 6, 0, -1, 1, 3])
+    probs, store = probs.to(dtype).to(device), store.to(dtype).to(device)
+    rows, store_rows = rows.to(device), store_rows.to(device)
+    keys = torch.from_numpy(sample_keys(7, np.arange(8), 40, TARGET_NOISE)).to(device)
+    p, q = probs[rows].float(), store[store_rows.clamp(min=0)].float() * (store_rows >= 0)[:, None]
+    residual = (p - q).clamp(min=0)
+    assert (residual[3] == 0).all() and (vocab == 1 or (residual[[0, 2, 4, 6, 7]].sum(-1) > 0).all())
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    expected = keyed_sample_ref(residual, keys)
+    assert keyed_sample_residual_ref(probs, rows, store, store_rows, keys).tolist() == expected.tolist()
+    got = keyed_sample_residual(probs, rows, store, store_rows, keys)
+    assert got.tolist() == expected.tolist()
+    assert (residual[torch.arange(8, device=device), got] > 0).all()
+    narrow = keyed_sample_residual(probs, rows.int(), store, store_rows.int(), keys.int())  # int32 indices and keys
+    assert narrow.tolist() == expected.tolist()
+    many = keyed_sample_residual(probs, rows.repeat(9), store, store_rows.repeat(9), keys.repeat(9, 1))  # fewer splits
+    assert many.tolist() == expected.tolist() * 9
+    assert keyed_sample_residual(probs, rows[:0], store, store_rows[:0], keys[:0]).shape == (0,)
+
+
+def test_residual_draws_reject_inputs_that_do_not_match(device):
+    probs, store = torch.rand(4, 10, device=device), torch.rand(3, 10, device=device)
+    rows, keys = torch.tensor([0, 1], device=device), torch.zeros(2, 2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="store: expected shape"):
+        keyed_sample_residual(probs, rows, torch.rand(3, 11, device=device), rows, keys)
+    with pytest.raises(ValueError, match="store_rows: expected shape"):
+        keyed_sample_residual(probs, rows, store, rows[:1], keys)
+    with pytest.raises(ValueError, match="keys: expected shape"):
+        keyed_sample_residual(probs, rows, store, rows, keys[:1])
+    with pytest.raises(TypeError, match="rows: expected dtype"):
+        keyed_sample_residual(probs, rows.float(), store, rows, keys)
+
+
+def test_acceptance_with_residual_draws_equals_the_materialised_residual():
+    """The engine's acceptance (`sample_residual`: target and store rows by index) commits what sampling
+    the materialised residual rows commits, with the same keys, over rejections and full accepts."""
+    generator = torch.Generator().manual_seed(2)
+    n, k, vocab = 24, 4, 50
+    target = torch.rand(n, k + 1, vocab, generator=generator).pow(4).softmax(-1)
+    store = torch.rand(120, vocab, generator=generator).pow(4).softmax(-1)
+    draft_rows = torch.randperm(120, generator=generator)[: n * k].view(n, k)
+    drafts = torch.multinomial(store[draft_rows.flatten()], 1, generator=generator).view(n, k)
+    num_drafts = torch.randint(0, k + 1, (n,), generator=generator)
+    uniform = torch.rand(n, k, generator=generator)
+    keys = sample_keys(9, np.arange(n)[:, None], np.arange(k + 1)[None, :], TARGET_NOISE)
+    target_keys = torch.from_numpy(keys).view(n, k + 1, 2)
+    rows = torch.arange(n)
+
+    def sample(residual, accepted):
+        return keyed_sample_ref(residual, target_keys[rows, accepted])
+
+    def sample_residual(target_rows, store_rows, accepted):
+        return keyed_sample_residual_ref(target.view(n * (k + 1), vocab), target_rows, store, store_rows,
+                                         target_keys[rows, accepted])  # fmt: skip
+
+    materialised = accept_sampled(drafts, num_drafts, target, store, uniform, sample, draft_rows=draft_rows)
+    in_place = accept_sampled(drafts, num_drafts, target, store, uniform, draft_rows=draft_rows,
+                              sample_residual=sample_residual)  # fmt: skip
+    assert torch.equal(materialised[0], in_place[0]) and torch.equal(materialised[1], in_place[1])
+    assert 0 < (in_place[0] < num_drafts).sum() < n  # rejections and full accepts
 
 
 def test_draws_follow_the_probabilities_and_uniforms_are_independent():

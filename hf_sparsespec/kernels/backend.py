@@ -8,7 +8,8 @@ with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `s
 once per step `select_verified_keys` (every layer's top keys into the selected-index store; for
 `"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
-noise), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
+noise), `keyed_sample_residual` (the same from `max(p - q, 0)` of rows read in place: the
+verifications' recovered and bonus tokens), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
 acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
 the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p without sorting
 the vocabulary), `store_rows` (the drafts' distributions into their store; rows indexed -1
@@ -25,7 +26,12 @@ from typing import Protocol
 import torch
 
 from hf_sparsespec.kernels.induction_keys import write_induction_keys_ref
-from hf_sparsespec.kernels.keyed_sample import keyed_sample_ref, keyed_uniform_ref, position_keys_ref
+from hf_sparsespec.kernels.keyed_sample import (
+    keyed_sample_ref,
+    keyed_sample_residual_ref,
+    keyed_uniform_ref,
+    position_keys_ref,
+)
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
 from hf_sparsespec.kernels.shifts import shift_speculative_rows_ref
@@ -56,6 +62,8 @@ class AttentionBackend(Protocol):
     ) -> None: ...  # fmt: skip
 
     def keyed_sample(self, probs, keys) -> torch.Tensor: ...
+
+    def keyed_sample_residual(self, probs, rows, store, store_rows, keys) -> torch.Tensor: ...
 
     def position_keys(self, streams, positions) -> torch.Tensor: ...
 
@@ -109,6 +117,9 @@ class TorchBackend:
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample_ref(probs, keys)
+
+    def keyed_sample_residual(self, probs, rows, store, store_rows, keys) -> torch.Tensor:
+        return keyed_sample_residual_ref(probs, rows, store, store_rows, keys)
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys_ref(streams, positions)

@@ -14,7 +14,7 @@ import torch
 
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
 from hf_sparsespec.kernels.induction_keys import write_induction_keys
-from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
+from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_sample_residual, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import pillar_scores_into, select_verified_keys
 from hf_sparsespec.kernels.shifts import shift_speculative_rows
@@ -57,6 +57,9 @@ class TritonBackend:
 
     def keyed_sample(self, probs, keys) -> torch.Tensor:
         return keyed_sample(probs, keys)
+
+    def keyed_sample_residual(self, probs, rows, store, store_rows, keys) -> torch.Tensor:
+        return keyed_sample_residual(probs, rows, store, store_rows, keys)
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys(streams, positions)

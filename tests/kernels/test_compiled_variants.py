@@ -103,6 +103,21 @@ def test_sampling_and_softmax_compile_one_variant_for_every_row_count(monkeypatc
         assert max(splits) <= keyed_sample.splits_block(vocab)
 
 
+@pytest.mark.parametrize("vocab", [100, 4097, 151_936])
+def test_residual_draws_compile_one_variant_for_every_row_count(monkeypatch, vocab):
+    """The verifications' recovered tokens: 1 to 36 draws (a batch's tail to the first graph), rows of
+    the step's probabilities and of the drafts' store, which keep their widths."""
+    recorders = [recorded(monkeypatch, keyed_sample, name) for name in ("_keyed_sample_kernel", "_fold_splits_kernel")]
+    probs, store = torch.zeros(400, vocab), torch.zeros(300, vocab)
+    for num_rows in (36, 32, 13, 7, 2, 1):
+        rows = torch.arange(num_rows) * 9
+        store_rows = torch.where(rows % 2 == 0, rows, -1)
+        keyed_sample.keyed_sample_residual(probs, rows, store, store_rows, torch.zeros(num_rows, 2, dtype=torch.int64))
+    for recorder in recorders:
+        assert len(set(recorder.variants)) <= 1
+    assert len(recorders[0].variants) == 6
+
+
 @pytest.mark.parametrize("vocab", [1, 15, 4096, 4097, 32_000, 151_936, 262_144])
 def test_splits_block_holds_every_split_count_of_its_vocabulary(vocab):
     block = keyed_sample.splits_block(vocab)

@@ -165,7 +165,7 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
     divisible by 16, which fresh per-launch buffers would meet (2 rows x 2 heads x 328 keys)."""
     import triton
 
-    from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_uniform, position_keys
+    from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_sample_residual, keyed_uniform, position_keys
     from hf_sparsespec.kernels.pillar_select import pillar_scores_into
     from hf_sparsespec.kernels.tempered_softmax import tempered_softmax
 
@@ -189,9 +189,15 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
         pillar_scores_into(query, k_cache, page_table, qs, lse, num_old, all_scores[:num_rows], 128**-0.5, 9,
                            max_rows=capacity)  # fmt: skip
 
+    store = torch.rand(40 * 8, vocab, device="cuda")  # the drafts' distributions
+
     def sample(num_logits):
         logits = torch.randn(num_logits, vocab, device="cuda").to(BF16)
-        keyed_sample(tempered_softmax(logits, 0.65), torch.randint(0, 2**30, (num_logits, 2), device="cuda"))
+        probs = tempered_softmax(logits, 0.65)
+        keyed_sample(probs, torch.randint(0, 2**30, (num_logits, 2), device="cuda"))
+        draws = num_logits // 9  # the verifications' recovered tokens
+        rows, store_rows = torch.arange(draws, device="cuda") * 9, torch.arange(draws, device="cuda") - 1
+        keyed_sample_residual(probs, rows, store, store_rows, torch.randint(0, 2**30, (draws, 2), device="cuda"))
 
     def hash_keys(num_rows):
         keyed_uniform(torch.randint(0, 2**30, (num_rows * 9 - 8, 2), device="cuda"))
