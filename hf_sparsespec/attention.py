@@ -76,7 +76,8 @@ def sparsespec_attention(
                                    step.verify_slots, scale, step.spec_len, step.max_verify_rows, step.backend.name,
                                    moved_store if step.verify_moves else None, step.best, step.verify_moves,
                                    *(aside.query, aside.lse, aside.tokens, aside.query_start) if aside else (None,) * 4,
-                                   aside is not None and aside.stream is not None)  # fmt: skip
+                                   aside is not None and aside.stream is not None,
+                                   aside is not None and aside.deferred)  # fmt: skip
         return out[None], None
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip

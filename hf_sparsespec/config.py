@@ -164,6 +164,15 @@ class SparseSpecConfig:
             `"induction_diagonal"` accepted 7.25 of 8 at 1.27x PillarAttn's draft bytes on both, as
             much per byte as a higher `min_budget` (104 on the held-out texts: 7.28 at 1.29x) and no more
             (docs/measurements.md 29). 0 (the default): none.
+        score_after_forward: for the scored selections, score every layer's verification keys (the
+            PillarAttn pass) in one launch after the forward instead of one launch per layer: each
+            layer's attention copies its verification rows' queries and LSE aside (layers x requests x
+            (k + 1) x query heads x (head_dim x dtype + 4) bytes, taken out of the KV pool's share).
+            One layer's pass spreads few verifications over the device in short chunks (at 64 rows
+            0.63 ms an iteration for ~0.46 GB of keys at 8K contexts on the H100, docs/measurements.md
+            22 and 30); all layers at once give each program longer chunks. Outputs are unchanged
+            (the scores are the same). Needs one attention scale for every layer. Off by default:
+            not measured on a GPU yet.
     """
 
     num_draft_tokens: int = 8
@@ -192,6 +201,7 @@ class SparseSpecConfig:
     selection_refresh_interval: int = 1
     min_draft_context: int = 0
     local_window: int = 0
+    score_after_forward: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -251,9 +261,14 @@ class SparseSpecConfig:
                 f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
             )
-        for name in ("cuda_graphs", "compile_forward", "overlap_scoring"):
+        for name in ("cuda_graphs", "compile_forward", "overlap_scoring", "score_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.overlap_scoring and self.score_after_forward:
+            raise ValueError(
+                "SparseSpecConfig.overlap_scoring and score_after_forward are two places for the same scoring "
+                "passes (beside the forward, or after it in one launch): choose one"
+            )
 
     def host_pool_size(self) -> int:
         """`host_pool_bytes`, or half of the physical memory when it is None."""

@@ -140,6 +140,7 @@ class Engine:
             num_sink_tokens=config.num_sink_tokens, use_graphs=use_graphs, cache_kwarg=cache_kwarg_name(model),
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
             compile_forward=config.compile_forward, tp_group=tp_group, overlap_scoring=config.overlap_scoring,
+            score_after_forward=config.score_after_forward,
             compiles_plain_shapes=config.min_draft_context > 0,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
@@ -168,7 +169,7 @@ class Engine:
             workspace = 0
             if config.selection in SCORED_SELECTIONS and self.k > 0:
                 workspace = 4 * geometry.num_layers * num_slots * geometry.num_kv_heads * history_width
-                if config.overlap_scoring:
+                if config.overlap_scoring or config.score_after_forward:
                     copy_bytes = geometry.head_dim * geometry.dtype.itemsize + 4
                     workspace += geometry.num_layers * num_slots * spec * geometry.num_q_heads * copy_bytes
             share = int(free * config.gpu_memory_fraction) - workspace

@@ -88,17 +88,18 @@ class ScoringAside:
     lse: torch.Tensor  # [num_layers, copies, num_q_heads] fp32 (or a layer's slice)
     tokens: torch.Tensor  # [n] int64, the step's tokens copied (the verification rows', then padding)
     query_start: torch.Tensor  # [num_verify_rows + 1] int32, the rows' starts among the copies
+    deferred: bool = False  # `score_after_forward`: the layers only copy; the runner scores them all after
 
     @classmethod
     def for_step(
         cls, stream, query_store: torch.Tensor, lse_store: torch.Tensor, verify_query_start: torch.Tensor, count: int,
-        num_tokens: int,
+        num_tokens: int, deferred: bool = False,
     ) -> ScoringAside:  # fmt: skip
         """The `count` tokens from the first verification row's (its rows', then whatever follows:
         never read) of a step of `num_tokens`, and the rows' starts among them (device ops only)."""
         first = verify_query_start[:1]
         tokens = (first.long() + torch.arange(count, device=verify_query_start.device)).clamp_(max=num_tokens - 1)
-        return cls(stream, query_store, lse_store, tokens, verify_query_start - first)
+        return cls(stream, query_store, lse_store, tokens, verify_query_start - first, deferred)
 
     def for_layer(self, layer: int) -> ScoringAside:
         """The same with the copies of `layer` (`[n, ...]`)."""
@@ -119,6 +120,8 @@ def score_layer(
         return
     torch.index_select(query, 0, aside.tokens, out=aside.query)
     torch.index_select(lse, 0, aside.tokens, out=aside.lse)
+    if aside.deferred:  # every layer is scored after the forward, from these copies
+        return
     if aside.stream is not None:
         aside.stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(aside.stream) if aside.stream is not None else contextlib.nullcontext():
@@ -136,18 +139,21 @@ def score_verification(
     scale: float, max_queries: int, max_rows: int, backend: str, moved_offsets: torch.Tensor | None,
     best: torch.Tensor | None, num_moves: int, aside_query: torch.Tensor | None, aside_lse: torch.Tensor | None,
     aside_tokens: torch.Tensor | None, aside_query_start: torch.Tensor | None, aside_on_stream: bool,
+    aside_deferred: bool,
 ) -> None:  # fmt: skip
     """Writes `scores[layer]` (and, for the diagonal selection, `best[layer]` on Triton or the first
     `num_moves` entries of `moved_offsets[layer]` on the reference); the whole stores are the mutated
     arguments: a compiled graph loses mutations of a view of a tensor it did not receive as an input.
     `aside_*` (`ScoringAside`'s; the query None: none): score from the copies in
-    `aside_query[layer]`/`aside_lse[layer]`, on the device's `scoring_stream` if `aside_on_stream`. The optional mutated arguments have no
+    `aside_query[layer]`/`aside_lse[layer]`, on the device's `scoring_stream` if `aside_on_stream`, or
+    (`aside_deferred`) only copy there: the runner scores every layer after the forward. The optional mutated arguments have no
     defaults: torch 2.10-2.11 drop arguments equal to their defaults and then fail to find them
     (IndexError, pytorch/pytorch#176078)."""
     aside = None
     if aside_query is not None:
         stream = scoring_stream(query.device.index) if aside_on_stream else None
-        aside = ScoringAside(stream, aside_query, aside_lse, aside_tokens, aside_query_start).for_layer(layer)
+        aside = ScoringAside(stream, aside_query, aside_lse, aside_tokens, aside_query_start,
+                             aside_deferred).for_layer(layer)  # fmt: skip
     score_layer(
         _backend(backend, query.device), query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer],
         scale, slots, max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
@@ -157,5 +163,6 @@ def score_verification(
 
 @score_verification.register_fake
 def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, max_rows,
-      backend, moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_on_stream):  # fmt: skip
+      backend, moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_on_stream,
+      aside_deferred):  # fmt: skip
     return None

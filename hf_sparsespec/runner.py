@@ -98,7 +98,8 @@ class ModelRunner:
                  num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
                  logits_to_keep: bool, max_context: int, compile_forward: bool = False,
-                 tp_group=None, overlap_scoring: bool = False, compiles_plain_shapes: bool = False) -> None:  # fmt: skip
+                 tp_group=None, overlap_scoring: bool = False, compiles_plain_shapes: bool = False,
+                 score_after_forward: bool = False) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
@@ -140,9 +141,13 @@ class ModelRunner:
             self.scores = torch.empty(shape, dtype=torch.float32, device=device)
         # `overlap_scoring`: the scoring passes on a second stream, reading copies of the verification
         # rows' queries and LSE (at most every request verifying, k + 1 tokens each)
+        # `score_after_forward`: the layers only copy them; every layer is scored after the forward, in one call
         self.scoring_stream = self.aside_query = self.aside_lse = None
-        if overlap_scoring and self.scores is not None and backend.needs_plan and device.type == "cuda":
-            self.scoring_stream = scoring_stream(device.index)  # the device of a tensor: always indexed
+        overlap = overlap_scoring and backend.needs_plan and device.type == "cuda"
+        self.score_after_forward = score_after_forward and self.scores is not None
+        self.score_scale = attention_scale(model, cache.head_dim) if self.score_after_forward else None
+        if self.scores is not None and (overlap or self.score_after_forward):
+            self.scoring_stream = scoring_stream(device.index) if overlap else None  # a tensor's device: indexed
             copies = largest.num_verify_rows * (k + 1)
             num_q_heads, dtype = cache.num_kv_heads * group, cache.layers[0].keys.dtype
             self.aside_query = torch.empty((cache.num_layers, copies, num_q_heads, cache.head_dim), dtype=dtype,
@@ -357,12 +362,20 @@ class ModelRunner:
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]
         v, s = shape.num_verify_rows, shape.num_single_rows
-        if self.scoring_stream is not None and v:
+        if (self.scoring_stream is not None or self.score_after_forward) and v:
             step.aside = ScoringAside.for_step(self.scoring_stream, self.aside_query, self.aside_lse,
-                                               f["verify_query_start"], v * spec, shape.num_tokens)  # fmt: skip
+                                               f["verify_query_start"], v * spec, shape.num_tokens,
+                                               deferred=self.score_after_forward)  # fmt: skip
         logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
-        if step.aside is not None:  # every layer's scores, before selecting from them
+        if step.aside is not None and step.aside.stream is not None:  # every layer's scores, before selecting
             torch.cuda.current_stream().wait_stream(self.scoring_stream)
+        if step.aside is not None and step.aside.deferred and self.scores_verify_rows:
+            n = step.aside.tokens.shape[0]
+            moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
+            self.backend.score_layers(self.aside_query[:, :n], self.cache.key_pool, step.verify_page_table,
+                                      step.aside.query_start, self.aside_lse[:, :n], step.num_old_keys, step.scores,
+                                      self.score_scale, step.verify_slots, spec, offsets=moves, best=step.best,
+                                      max_rows=step.max_verify_rows)  # fmt: skip
         if v and self.scores_verify_rows:  # the verifications' new selections, every layer at once
             moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
             self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
@@ -515,6 +528,19 @@ class ModelRunner:
         if not self.logits_to_keep:
             logits = logits[logits_index]
         return logits  # [num_logits, vocab], the model's dtype
+
+
+def attention_scale(model, head_dim: int) -> float:
+    """The softmax scale every attention layer of `model` passes the attention (its modules' `scaling`,
+    head_dim ** -0.5 where None): one for all layers, as scoring every layer in one launch needs."""
+    scales = {m.scaling for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
+    scales = {head_dim**-0.5 if scale is None else float(scale) for scale in scales} or {head_dim**-0.5}
+    if len(scales) > 1:
+        raise NotImplementedError(
+            f"SparseSpecConfig.score_after_forward needs one attention scale for every layer; "
+            f"{type(model).__name__}'s layers use {sorted(scales)}"
+        )
+    return scales.pop()
 
 
 def _bucket_of(shape: StepShape) -> Bucket:

@@ -232,3 +232,26 @@ def test_a_local_window_with_graphs_equals_eager_and_plain_generate(selection, c
                                   compile_forward=compile_forward and graphs, local_window=window)  # fmt: skip
         outs.append(_generate(model, ids, mask, config, do_sample=False))
     assert_graphs_equal_eager_and_plain_generate_and_the_option_matters(model, expected, mask, outs, runners)
+
+
+@pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
+@pytest.mark.parametrize("selection", ["induction_diagonal", "pillar"])
+def test_scoring_after_the_forward_with_graphs_equals_eager_and_the_per_layer_passes(selection, compile_forward,
+                                                                                     runners):  # fmt: skip
+    """`score_after_forward=True`: the layers copy their verification queries and LSE, one launch scores
+    every layer after the forward, inside captured iterations (compiled forward too); graphs = eager =
+    plain `generate`, and the acceptance equals the per-layer passes' (the same scores)."""
+    model = tiny_model("qwen2").cuda()
+    ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+    outs = []
+    for graphs, after in ((True, True), (False, True), (True, False)):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, budget_ratio=0.01, page_size=4,
+                                  selection=selection, cuda_graphs=graphs, selection_refresh_interval=2,
+                                  compile_forward=compile_forward and graphs, score_after_forward=after)  # fmt: skip
+        outs.append(_generate(model, ids, mask, config, do_sample=False))
+    assert_greedy_equal(model, expected, outs[0].sequences, mask)
+    assert torch.equal(outs[0].sequences, outs[1].sequences) and torch.equal(outs[0].sequences, outs[2].sequences)
+    stats = [out.sparsespec_stats.total.as_dict() for out in outs]
+    assert stats[0] == stats[1] == stats[2] and outs[0].sparsespec_stats.total.cycles > 0
+    assert runners[0].counters.graph_replays > 0 and runners[1].counters.graph_replays == 0

@@ -7,7 +7,8 @@ Storage (per layer, one `PagedLayer` each):
     request A   ->  [  7   ,   2   ,   9  ]      page table: positions 0..page_size-1 in page 7, ...
     request B   ->  [  0   ,   4  ]
 
-and, shared by all layers:
+(each layer's a view of `key_pool` / `value_pool` `[num_layers, num_pages, page_size, num_kv_heads,
+head_dim]`) and, shared by all layers:
 
     selected        [num_layers, num_slots, num_kv_heads, max_budget] int32
                      PillarAttn's selected-index store: token *positions* (not slots), so a request's
@@ -39,17 +40,16 @@ from hf_sparsespec.kernels.moved_keys import NO_OFFSET
 
 
 class PagedLayer(CacheLayerMixin):
-    """One model layer's pages. `keys`/`values` are the page pools, allocated up front."""
+    """One model layer's pages: `keys`/`values` `[num_pages, page_size, num_kv_heads, head_dim]`, this
+    layer's views of the cache's pools (allocated up front)."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.dtype, self.device = dtype, torch.device(device)
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -101,8 +101,12 @@ class SparseSpecCache(Cache):
         offload_chunk_tokens: int = 1024,
         num_moved: int = 0,
     ) -> None:
-        layers = [PagedLayer(num_pages, page_size, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
-        super().__init__(layers=layers)
+        # every layer's pages in one allocation, each layer's a view: one launch can read every layer's
+        # keys (`pillar_select.pillar_scores_into` over `key_pool`, `SparseSpecConfig.score_after_forward`)
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.key_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_pool = torch.zeros(shape, dtype=dtype, device=device)
+        super().__init__(layers=[PagedLayer(self.key_pool[i], self.value_pool[i]) for i in range(num_layers)])
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

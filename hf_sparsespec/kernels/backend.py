@@ -4,7 +4,9 @@
 the Triton kernels (CUDA, or the CPU interpreter under `TRITON_INTERPRET=1`). Both expose the same
 per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` when `needs_plan`;
 with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `score_verification`
-(PillarAttn: score the verification rows' keys into the layer's plane of the scores workspace), then
+(PillarAttn: score the verification rows' keys into the layer's plane of the scores workspace; or,
+`SparseSpecConfig.score_after_forward`, `score_layers` once after the forward, from copies of every
+layer's verification queries and LSE), then
 once per step `select_verified_keys` (every layer's top keys into the selected-index store; for
 `"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
@@ -53,6 +55,11 @@ class AttentionBackend(Protocol):
 
     def score_verification(
         self, query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
+        max_queries=None, offsets=None, best=None, max_rows=None,
+    ) -> None: ...  # fmt: skip
+
+    def score_layers(
+        self, query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, slots,
         max_queries=None, offsets=None, best=None, max_rows=None,
     ) -> None: ...  # fmt: skip
 
@@ -106,6 +113,16 @@ class TorchBackend:
         """The moved-key offsets go straight into `offsets[slots]` (`best`, the Triton workspace, is unused)."""
         score_verification_ref(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
                                offsets)  # fmt: skip
+
+    def score_layers(
+        self, query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, slots,
+        max_queries=None, offsets=None, best=None, max_rows=None,
+    ) -> None:  # fmt: skip
+        """Every layer's `score_verification` after the forward: `query [layers, tokens, ...]` and `lse`
+        the layers' copies, `key_pool [layers, ...]`, `scores` and `offsets` with a layer dimension."""
+        for layer in range(key_pool.shape[0]):
+            score_verification_ref(query[layer], key_pool[layer], page_table, query_start, lse[layer], num_old_keys,
+                                   scores[layer], scale, slots, offsets[layer] if offsets is not None else None)  # fmt: skip
 
     def select_verified_keys(
         self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,

@@ -146,6 +146,11 @@ def _pillar_scores_kernel(
     stride_scores_head,
     stride_best_row,
     stride_best_head,
+    stride_q_layer,  # the layer strides (grid axis 2; 0 for one layer)
+    stride_lse_layer,
+    stride_cache_layer,
+    stride_scores_layer,
+    stride_best_layer,
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -160,6 +165,12 @@ def _pillar_scores_kernel(
     TRACK_BEST: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)  # every layer's pass in one launch: its own programs
+    q_ptr += layer * stride_q_layer
+    lse_ptr += layer * stride_lse_layer
+    k_cache_ptr += layer * stride_cache_layer
+    scores_ptr += layer * stride_scores_layer
+    best_ptr += layer * stride_best_layer
     # The work: every row's chunks of `chunk_keys` old keys, numbered row after row; program p
     # takes chunks p, p + P, ... So rows with no keys to score (no queries, nothing old, or a
     # verification that keeps its selection) leave their share to the others.
@@ -285,6 +296,18 @@ def pillar_scores_into(
     verifications any launch over these buffers has (the engine's workspace rows), which fixes the
     kernel's compile-time row padding, so that every row count reuses one compiled kernel; None: this
     launch's rows."""
+    group = pillar_scores_inputs_check(query, k_cache, page_table, query_start, lse, num_old_keys, scores, best,
+                                       max_rows)  # fmt: skip
+    if page_table.shape[0] == 0 or scores.shape[2] == 0:
+        return
+    query, page_table, lse = last_dim_contiguous(query), last_dim_contiguous(page_table), last_dim_contiguous(lse)
+    _launch_scores(query[None], k_cache[None], page_table, query_start, lse[None], num_old_keys, scores[None],
+                   scale, group, max_queries, best[None] if best is not None else None, max_rows)  # fmt: skip
+
+
+def pillar_scores_inputs_check(query, k_cache, page_table, query_start, lse, num_old_keys, scores, best,
+                               max_rows) -> int:  # fmt: skip
+    """The GQA group, after checking one layer's scoring inputs and outputs."""
     group = _check_score_inputs(query, k_cache, page_table, query_start, lse, num_old_keys)
     num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[2]
     check_tensor("scores", scores, dtypes=(torch.float32,), device=query.device, shape=(num_rows, num_kv_heads, None))
@@ -296,28 +319,76 @@ def pillar_scores_into(
             raise ValueError(f"best: expected a unit-stride last dimension, got strides {best.stride()}")
     if max_rows is not None and not num_rows <= max_rows:
         raise ValueError(f"max_rows: expected at least the {num_rows} rows of the launch, got {max_rows!r}")
-    if num_rows == 0 or scores.shape[2] == 0:
+    return group
+
+
+def pillar_scores_layers_into(
+    query: torch.Tensor,  # [num_layers, num_tokens, num_q_heads, head_dim]
+    key_pool: torch.Tensor,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    lse: torch.Tensor,  # [num_layers, num_tokens, num_q_heads] fp32
+    num_old_keys: torch.Tensor,
+    scores: torch.Tensor,  # [num_layers, num_rows, num_kv_heads, width] fp32
+    scale: float,
+    max_queries: int | None = None,
+    best: torch.Tensor | None = None,  # [num_layers, num_rows, num_kv_heads, num_entries] int64
+    max_rows: int | None = None,
+) -> None:
+    """`pillar_scores_into` of every layer in one launch (`SparseSpecConfig.score_after_forward`): layer
+    l scores `query[l]` (with `lse[l]`) against `key_pool[l]` into `scores[l]` (and `best[l]`). A
+    layer's pass alone spreads a few verifications over the GPU in chunks of one or two key blocks,
+    latency-bound at small batches; here each layer gets its share of the programs, and each program
+    longer chunks."""
+    if query.dim() != 4 or key_pool.dim() != 5 or lse.dim() != 3 or scores.dim() != 4:
+        raise ValueError(
+            "query, key_pool, lse and scores: expected a leading layer dimension, got shapes "
+            f"{tuple(query.shape)}, {tuple(key_pool.shape)}, {tuple(lse.shape)}, {tuple(scores.shape)}"
+        )
+    num_layers = key_pool.shape[0]
+    for name, x in (("query", query), ("lse", lse), ("scores", scores), ("best", best)):
+        if x is not None and x.shape[0] != num_layers:
+            raise ValueError(f"{name}: expected {num_layers} layers (key_pool's), got shape {tuple(x.shape)}")
+    if num_layers == 0:
         return
-    num_tokens, _, head_dim = query.shape
-    query, page_table, lse = last_dim_contiguous(query), last_dim_contiguous(page_table), last_dim_contiguous(lse)
+    group = pillar_scores_inputs_check(query[0], key_pool[0], page_table, query_start, lse[0], num_old_keys,
+                                       scores[0], best[0] if best is not None else None, max_rows)  # fmt: skip
+    if page_table.shape[0] == 0 or scores.shape[3] == 0:
+        return
+    for name, x in (("query", query), ("lse", lse), ("page_table", page_table)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit-stride last dimension, got strides {x.stride()}")
+    _launch_scores(query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, group, max_queries,
+                   best, max_rows)  # fmt: skip
+
+
+def _launch_scores(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, group, max_queries,
+                   best, max_rows) -> None:  # fmt: skip
+    """The scoring kernel over `[layers, ...]` inputs (checked), one grid plane per layer."""
+    num_layers, num_tokens, _, head_dim = query.shape
+    num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[3]
     # The tile holds a whole verification block when the rows are even (k+1 queries each); from the
     # shapes alone, so no sync. Larger blocks loop over query tiles.
     tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
     block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim, query.dtype)
     min_keys = triton.cdiv(SCORE_MIN_KEYS_PER_CHUNK, config["BLOCK_N"]) * config["BLOCK_N"]
-    # up to SCORE_PROGRAMS_PER_SM per SM over the KV heads (the grid from the shapes only); the kernel
-    # sizes the chunks from the keys it finds
-    programs = max(1, SCORE_PROGRAMS_PER_SM * num_sms(query.device) // num_kv_heads)
-    programs = min(programs, num_rows * triton.cdiv(scores.shape[2], min_keys))
-    _pillar_scores_kernel[(programs, num_kv_heads)](
-        query, k_cache, page_table, query_start, lse, num_old_keys, scores,
-        best if best is not None else scores, num_rows, best.shape[2] if best is not None else 0,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        page_table.stride(0), lse.stride(0), scores.stride(0), scores.stride(1),
-        best.stride(0) if best is not None else 0, best.stride(1) if best is not None else 0, scale * LOG2E,
+    # up to SCORE_PROGRAMS_PER_SM per SM over the KV heads and layers (the grid from the shapes only);
+    # the kernel sizes the chunks from the keys it finds
+    programs = max(1, SCORE_PROGRAMS_PER_SM * num_sms(query.device) // (num_kv_heads * num_layers))
+    programs = min(programs, num_rows * triton.cdiv(scores.shape[3], min_keys))
+    b = best if best is not None else scores
+    _pillar_scores_kernel[(programs, num_kv_heads, num_layers)](
+        query, k_cache, page_table, query_start, lse, num_old_keys, scores, b,
+        num_rows, best.shape[3] if best is not None else 0,
+        query.stride(1), query.stride(2), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        page_table.stride(0), lse.stride(1), scores.stride(1), scores.stride(2),
+        b.stride(1) if best is not None else 0, b.stride(2) if best is not None else 0,
+        query.stride(0) if num_layers > 1 else 0, lse.stride(0) if num_layers > 1 else 0,
+        k_cache.stride(0) if num_layers > 1 else 0, scores.stride(0) if num_layers > 1 else 0,
+        b.stride(0) if best is not None and num_layers > 1 else 0, scale * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_D=triton.next_power_of_2(head_dim),
-        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], MIN_KEYS_PER_CHUNK=min_keys,
+        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[2], MIN_KEYS_PER_CHUNK=min_keys,
         PREFERRED_KEYS_PER_CHUNK=SCORE_PREFERRED_KEYS_PER_CHUNK,
         ROWS_PAD=score_rows_pad(num_rows if max_rows is None else max_rows),
         INPUT_PRECISION=dot_precision(query.dtype), TRACK_BEST=best is not None,
