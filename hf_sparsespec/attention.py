@@ -60,6 +60,11 @@ def sparsespec_attention(
     rows = (step.page_table, step.query_start, step.context_lens)
     draft = (step.recent_start, selected, step.selection_slot, step.num_selected)
     score = step.score_verify_rows and step.num_verify_rows > 0
+    if score and step.score_scale is not None and scale != step.score_scale:
+        raise NotImplementedError(
+            f"SparseSpecConfig.score_after_forward scores every layer with the scale {step.score_scale}, "
+            f"but layer {module.layer_idx} ({type(module).__name__}) attends with {scale}"
+        )
     verify = (step.verify_page_table, step.verify_query_start)
     if step.compiled:  # opaque custom ops in the compiled graph (the whole selected store: see ops.py)
         plan, store = step.plan, step.cache.selected

@@ -358,6 +358,7 @@ class ModelRunner:
             max_context=self.max_context,
             compiled=compiled,
             num_full_rows_tensor=f["num_full_rows"],
+            score_scale=self.score_scale,
         )
         p = shape.num_prefill_rows
         step.verify_page_table = step.page_table[p : p + shape.num_verify_rows]

@@ -140,3 +140,17 @@ def test_one_scale_for_every_layer_or_a_clear_error():
     with pytest.raises(NotImplementedError, match="one attention scale"), torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, generation_strategy="sparsespec",
                        sparsespec_config=SparseSpecConfig(num_draft_tokens=2, score_after_forward=True))  # fmt: skip
+
+
+def test_a_layer_attending_with_another_scale_fails_clearly(monkeypatch):
+    """A model whose modules' `scaling` is not what they pass the attention (the runner's scale would
+    score every layer wrongly): the first scoring layer says so."""
+    import hf_sparsespec.runner as runner
+
+    monkeypatch.setattr(runner, "attention_scale", lambda model, head_dim: 0.5)
+    model = tiny_model("qwen2")
+    ids, mask = ragged_batch([6, 9])
+    with pytest.raises(NotImplementedError, match="scores every layer with the scale 0.5"), torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, generation_strategy="sparsespec",
+                       sparsespec_config=SparseSpecConfig(num_draft_tokens=2, min_budget=2, page_size=4,
+                                                          score_after_forward=True))  # fmt: skip
