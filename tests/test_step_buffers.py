@@ -409,6 +409,22 @@ def test_compiled_forward_equals_eager(selection, backend):
     assert engine.runner.compiled_forward is not None and any(engine.runner._compiles(s) for s in shapes)
 
 
+def test_compiled_forward_scoring_after_it_equals_eager_scoring_inside_it():
+    """`score_after_forward` with the compiled forward: the attention op only copies each layer's
+    verification queries and LSE aside (a mutated argument of the custom op), the runner scores every
+    layer after the forward; the same tokens and acceptance as the eager forward scoring each layer."""
+    model = tiny_model("qwen2")
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
+    runs = []
+    for compiled in (False, True):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=compiled,
+                                  selection="induction_diagonal", backend="torch", score_after_forward=compiled)  # fmt: skip
+        engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=20)
+        runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
+    assert runs[0] == runs[1]
+    assert engine.runner.score_after_forward and any(engine.runner._compiles(s) for s in shapes)
+
+
 def test_compiled_forward_compiles_once_while_the_batch_shrinks():
     """Requests of different lengths leave the batch one by one (the tail of a run): shapes without
     verifications, with one row of a kind, and shifted (speculative) shapes all appear. None of them
