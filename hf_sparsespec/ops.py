@@ -118,8 +118,7 @@ def score_layer(
         backend.score_verification(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
                                    max_queries, offsets=offsets, best=best, max_rows=max_rows)  # fmt: skip
         return
-    torch.index_select(query, 0, aside.tokens, out=aside.query)
-    torch.index_select(lse, 0, aside.tokens, out=aside.lse)
+    backend.gather_queries(query, lse, aside.tokens, aside.query, aside.lse)
     if aside.deferred:  # every layer is scored after the forward, from these copies
         return
     if aside.stream is not None:

@@ -11,7 +11,12 @@ from transformers import GenerationConfig
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.kernels.pillar_select import pillar_scores_into, pillar_scores_layers_into
+from hf_sparsespec.kernels.pillar_select import (
+    gather_queries,
+    gather_queries_ref,
+    pillar_scores_into,
+    pillar_scores_layers_into,
+)
 from hf_sparsespec.runner import attention_scale
 
 
@@ -62,6 +67,29 @@ def test_the_layered_launch_checks_its_layers(device):
         pillar_scores_layers_into(torch.zeros(3, 3, 2, 8, device=device), key_pool, *args)
     with pytest.raises(ValueError, match="scores: expected 2 layers"):
         pillar_scores_layers_into(query, key_pool, page_table, starts.int(), lse, num_old, scores[:1], 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_q_heads", "head_dim"), [(12, 24), (3, 16), (1, 8)])
+def test_one_launch_gathers_the_queries_and_lse_as_the_reference(dtype, num_q_heads, head_dim, device):
+    """Heads and head dims that are not powers of 2, the query a transposed view (as the attention's),
+    tokens repeated and out of order, copies into a layer's slice of a larger store."""
+    generator = torch.Generator().manual_seed(num_q_heads)
+    query = torch.randn(1, num_q_heads, 30, head_dim, generator=generator).to(dtype).to(device)[0].transpose(0, 1)
+    lse = torch.randn(30, num_q_heads, generator=generator).to(device)
+    tokens = torch.tensor([7, 8, 9, 29, 0, 9], device=device)
+    store_q = torch.zeros(3, 10, num_q_heads, head_dim, dtype=dtype, device=device)
+    store_lse = torch.zeros(3, 10, num_q_heads, device=device)
+    gather_queries(query, lse, tokens, store_q[1, :6], store_lse[1, :6])
+    expected_q, expected_lse = torch.empty_like(store_q[1, :6]), torch.empty_like(store_lse[1, :6])
+    gather_queries_ref(query, lse, tokens, expected_q, expected_lse)
+    assert torch.equal(store_q[1, :6], expected_q) and torch.equal(store_lse[1, :6], expected_lse)
+    assert torch.equal(expected_q[3], query[29]) and torch.equal(expected_lse[5], lse[9])
+    assert not store_q[[0, 2]].any() and not store_q[1, 6:].any() and not store_lse[1, 6:].any()
+    with pytest.raises(TypeError, match="tokens: expected dtype"):
+        gather_queries(query, lse, tokens.int(), store_q[1, :6], store_lse[1, :6])
+    with pytest.raises(ValueError, match="out_lse: expected shape"):
+        gather_queries(query, lse, tokens, store_q[1, :6], store_lse[1, :5])
 
 
 CONFIGS = [

@@ -6,7 +6,7 @@ per-layer calls: `store_kv`, `mixed_attention` (with the step's `AttentionPlan` 
 with `offsets`, draft rows also attend their moved keys, `moved_keys.py`) and `score_verification`
 (PillarAttn: score the verification rows' keys into the layer's plane of the scores workspace; or,
 `SparseSpecConfig.score_after_forward`, `score_layers` once after the forward, from copies of every
-layer's verification queries and LSE), then
+layer's verification queries and LSE, `gather_queries`), then
 once per step `select_verified_keys` (every layer's top keys into the selected-index store; for
 `"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
@@ -35,7 +35,7 @@ from hf_sparsespec.kernels.keyed_sample import (
     position_keys_ref,
 )
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
-from hf_sparsespec.kernels.pillar_select import score_verification_ref, select_verified_keys_ref
+from hf_sparsespec.kernels.pillar_select import gather_queries_ref, score_verification_ref, select_verified_keys_ref
 from hf_sparsespec.kernels.shifts import shift_speculative_rows_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
 from hf_sparsespec.kernels.store_rows import store_rows_ref
@@ -62,6 +62,8 @@ class AttentionBackend(Protocol):
         self, query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, slots,
         max_queries=None, offsets=None, best=None, max_rows=None,
     ) -> None: ...  # fmt: skip
+
+    def gather_queries(self, query, lse, tokens, out_query, out_lse) -> None: ...
 
     def select_verified_keys(
         self, scores, num_old_keys, budgets, selected, slots, offsets=None, best=None, group=1,
@@ -113,6 +115,9 @@ class TorchBackend:
         """The moved-key offsets go straight into `offsets[slots]` (`best`, the Triton workspace, is unused)."""
         score_verification_ref(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, slots,
                                offsets)  # fmt: skip
+
+    def gather_queries(self, query, lse, tokens, out_query, out_lse) -> None:
+        gather_queries_ref(query, lse, tokens, out_query, out_lse)
 
     def score_layers(
         self, query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, slots,

@@ -305,6 +305,66 @@ def pillar_scores_into(
                    scale, group, max_queries, best[None] if best is not None else None, max_rows)  # fmt: skip
 
 
+def gather_queries_ref(query, lse, tokens, out_query, out_lse) -> None:
+    """Reference of `gather_queries`: `out_query[i] = query[tokens[i]]`, `out_lse[i] = lse[tokens[i]]`."""
+    torch.index_select(query, 0, tokens, out=out_query)
+    torch.index_select(lse, 0, tokens, out=out_lse)
+
+
+@triton.jit
+def _gather_queries_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    lse_ptr,  # [num_tokens, num_q_heads] fp32
+    tokens_ptr,  # [n] int64
+    out_q_ptr,  # [n, num_q_heads, head_dim]
+    out_lse_ptr,  # [n, num_q_heads] fp32
+    stride_q_tok,
+    stride_q_head,
+    stride_lse_tok,
+    stride_out_q_tok,
+    stride_out_q_head,
+    stride_out_lse_tok,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    tok = tl.load(tokens_ptr + i).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    head_valid = heads < NUM_HEADS
+    mask = head_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + tok * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :], mask=mask)
+    tl.store(out_q_ptr + i * stride_out_q_tok + heads[:, None] * stride_out_q_head + dims[None, :], q, mask=mask)
+    lse = tl.load(lse_ptr + tok * stride_lse_tok + heads, mask=head_valid)
+    tl.store(out_lse_ptr + i * stride_out_lse_tok + heads, lse, mask=head_valid)
+
+
+def gather_queries(query, lse, tokens, out_query, out_lse) -> None:
+    """One launch for both of `gather_queries_ref`'s copies (a layer's verification queries and LSE,
+    kept for a scoring pass that runs after the layer: `ops.ScoringAside`). `query [num_tokens,
+    num_q_heads, head_dim]` and `out_query [n, ...]` of one dtype, `lse`/`out_lse` fp32, unit-stride
+    last dimensions; `tokens [n]` int64 in [0, num_tokens)."""
+    check_tensor("query", query, ndim=3)
+    num_q_heads, head_dim = query.shape[1:]
+    n = tokens.shape[0]
+    check_tensor("tokens", tokens, ndim=1, dtypes=(torch.int64,), device=query.device)
+    check_tensor("out_query", out_query, dtypes=(query.dtype,), device=query.device, shape=(n, num_q_heads, head_dim))
+    check_tensor("lse", lse, dtypes=(torch.float32,), device=query.device, shape=(query.shape[0], num_q_heads))
+    check_tensor("out_lse", out_lse, dtypes=(torch.float32,), device=query.device, shape=(n, num_q_heads))
+    for name, x in (("query", query), ("lse", lse), ("out_query", out_query), ("out_lse", out_lse)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit-stride last dimension, got strides {x.stride()}")
+    if n == 0:
+        return
+    _gather_queries_kernel[(n,)](
+        query, lse, tokens, out_query, out_lse, query.stride(0), query.stride(1), lse.stride(0),
+        out_query.stride(0), out_query.stride(1), out_lse.stride(0), NUM_HEADS=num_q_heads,
+        HEADS_PAD=triton.next_power_of_2(num_q_heads), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
 def pillar_scores_inputs_check(query, k_cache, page_table, query_start, lse, num_old_keys, scores, best,
                                max_rows) -> int:  # fmt: skip
     """The GQA group, after checking one layer's scoring inputs and outputs."""

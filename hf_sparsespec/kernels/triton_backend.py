@@ -16,7 +16,12 @@ from hf_sparsespec.kernels.attention_plan import AttentionPlan
 from hf_sparsespec.kernels.induction_keys import write_induction_keys
 from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_sample_residual, keyed_uniform, position_keys
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
-from hf_sparsespec.kernels.pillar_select import pillar_scores_into, pillar_scores_layers_into, select_verified_keys
+from hf_sparsespec.kernels.pillar_select import (
+    gather_queries,
+    pillar_scores_into,
+    pillar_scores_layers_into,
+    select_verified_keys,
+)
 from hf_sparsespec.kernels.shifts import shift_speculative_rows
 from hf_sparsespec.kernels.store_kv import store_kv
 from hf_sparsespec.kernels.store_rows import store_rows
@@ -48,6 +53,9 @@ class TritonBackend:
         """`offsets` are written by `select_verified_keys`, from `best`."""
         pillar_scores_into(query, k_cache, page_table, query_start, lse, num_old_keys, scores, scale, max_queries,
                            best=best, max_rows=max_rows)  # fmt: skip
+
+    def gather_queries(self, query, lse, tokens, out_query, out_lse) -> None:
+        gather_queries(query, lse, tokens, out_query, out_lse)
 
     def score_layers(
         self, query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, slots,
