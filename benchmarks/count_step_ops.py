@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--min-draft-context", type=int, default=0,
                         help="SparseSpecConfig.min_draft_context (e.g. 10000: every counted iteration plain steps)")
+    parser.add_argument("--score-after-forward", action="store_true", help="SparseSpecConfig.score_after_forward")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("set TRITON_INTERPRET=1 before running (the Triton backend on the CPU)")
@@ -86,7 +87,8 @@ def main() -> None:
     job = prepare_batch(model, prompts, gen)
     fields = dict(num_draft_tokens=args.k, backend="triton")
     if args.k:
-        fields |= dict(selection=args.selection, min_budget=8, min_draft_context=args.min_draft_context)
+        fields |= dict(selection=args.selection, min_budget=8, min_draft_context=args.min_draft_context,
+                       score_after_forward=args.score_after_forward)  # fmt: skip
     engine = Engine(model, job.requests, SparseSpecConfig(**fields), job.pipeline, job.do_sample, job.stop_checker)
     runner, counter = engine.runner, OpCounter()
     launches: collections.Counter = collections.Counter()
