@@ -194,14 +194,19 @@ class BatchBuilder:
         sample_seed: the seed of the keyed sampling noise; None under greedy decoding (no keys).
         num_moved: moved-key entries every draft row attends besides its selection (the diagonal
             selection, `(k + 1) x group`; 0 otherwise): room in the attention plan.
+        min_padded_rows: the fewest rows of a kind (verifications, one-token rows) a padded iteration
+            has when it has any (at most the slots): 2 with the compiled forward, which runs shapes with
+            a single row of a kind eagerly (dynamo specialises a size of 1, `ModelRunner._compiles`): a
+            256-row iteration with one verification took 10.7-11.2 ms on the H100, its compiled
+            neighbours 8-9 (docs/measurements.md 30).
     """
 
     def __init__(
         self, k: int, num_slots: int, history_width: int, page_size: int, page_table: DevicePageTable,
         group: int, num_kv_heads: int, plan_items: int, num_params: int, pad: bool, sample_seed: int | None = None,
-        num_moved: int = 0,
+        num_moved: int = 0, min_padded_rows: int = 1,
     ) -> None:  # fmt: skip
-        self.sample_seed, self.num_moved = sample_seed, num_moved
+        self.sample_seed, self.num_moved, self.min_padded_rows = sample_seed, num_moved, min_padded_rows
         self.k, self.num_slots, self.width, self.page_size = k, num_slots, history_width, page_size
         self.page_table = page_table
         self.group, self.num_kv_heads, self.plan_items = group, num_kv_heads, plan_items
@@ -261,6 +266,9 @@ class BatchBuilder:
         padded = self.pad and n_p == 0
         v_pad = round_up_rows(n_v, self.num_slots, spec) if padded else n_v
         s_pad = round_up_rows(n_s, self.num_slots) if padded else n_s
+        if padded and self.min_padded_rows > 1:  # no kind of row alone (`min_padded_rows`)
+            least = min(self.min_padded_rows, self.num_slots)
+            v_pad, s_pad = (max(n, least) if n else 0 for n in (v_pad, s_pad))
         if padded and bucket is not None:
             needs_shift = shifted
             v_pad, s_pad, shifted = bucket(v_pad, s_pad, shifted)

@@ -130,7 +130,7 @@ class Engine:
             self.k, layout.num_slots, layout.history_width, config.page_size, self.page_table, group,
             geometry.num_kv_heads, items, pipeline.num_params, pad=use_graphs if pad_to_buckets is None else pad_to_buckets,
             sample_seed=int(torch.randint(0, 2**62, ())) if do_sample else None,  # torch's generator seeds the noise
-            num_moved=layout.num_moved,
+            num_moved=layout.num_moved, min_padded_rows=2 if config.compile_forward else 1,
         )  # fmt: skip
         largest, max_page_updates = self._largest_step(pipeline.num_params, group, items)
         self.runner = ModelRunner(

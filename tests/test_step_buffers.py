@@ -409,6 +409,26 @@ def test_compiled_forward_equals_eager(selection, backend):
     assert engine.runner.compiled_forward is not None and any(engine.runner._compiles(s) for s in shapes)
 
 
+def test_the_compiled_forward_pads_no_kind_of_row_to_a_single_one():
+    """With `compile_forward` a padded iteration has no single verification and no single one-token
+    row (it pads them to two), so no shape falls back to the eager forward for a size dynamo would
+    specialise; without it such shapes appear (a batch of 3 requests, the last one alone). Same tokens."""
+    model = tiny_model("qwen2")
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42]]
+    runs, single = [], []
+    for compiled in (False, True):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=compiled,
+                                  backend="torch")  # fmt: skip
+        engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=20)
+        runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
+        padded = [s for s in shapes if s.padded]
+        single.append(sum(1 in (s.num_verify_rows, s.num_single_rows) for s in padded))
+        if compiled:
+            assert padded and all(engine.runner._compiles(s) for s in padded if s.num_verify_rows)
+    assert runs[0] == runs[1]
+    assert single[0] > 0 and single[1] == 0
+
+
 def test_compiled_forward_scoring_after_it_equals_eager_scoring_inside_it():
     """`score_after_forward` with the compiled forward: the attention op only copies each layer's
     verification queries and LSE aside (a mutated argument of the custom op), the runner scores every
