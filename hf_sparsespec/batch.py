@@ -197,8 +197,8 @@ class BatchBuilder:
         min_padded_rows: the fewest rows of a kind (verifications, one-token rows) a padded iteration
             has when it has any (at most the slots): 2 with the compiled forward, which runs shapes with
             a single row of a kind eagerly (dynamo specialises a size of 1, `ModelRunner._compiles`): a
-            256-row iteration with one verification took 10.7-11.2 ms on the H100, its compiled
-            neighbours 8-9 (docs/measurements.md 30).
+            256-row iteration with one verification took 10.7-11.2 ms on the H100, compiled ones
+            with two or four ~9.1 at the same contexts (docs/measurements.md 30).
     """
 
     def __init__(
