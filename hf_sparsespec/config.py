@@ -169,7 +169,7 @@ class SparseSpecConfig:
             layer's attention copies its verification rows' queries and LSE aside (layers x requests x
             (k + 1) x query heads x (head_dim x dtype + 4) bytes, taken out of the KV pool's share).
             One layer's pass spreads few verifications over the device in short chunks (at 64 rows
-            0.63 ms an iteration for ~0.46 GB of keys at 8K contexts on the H100, docs/measurements.md
+            0.63 ms an iteration for ~0.46 GB of keys at 8K contexts on the H200, docs/measurements.md
             22 and 30); all layers at once give each program longer chunks. Outputs are unchanged
             (the scores are the same). Needs one attention scale for every layer. Off by default:
             not measured on a GPU yet.
