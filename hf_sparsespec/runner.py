@@ -370,15 +370,13 @@ class ModelRunner:
         logits = self._forward(flat_tokens[input_index][None], position[None], f["logits_token"].long(), step)
         if step.aside is not None and step.aside.stream is not None:  # every layer's scores, before selecting
             torch.cuda.current_stream().wait_stream(self.scoring_stream)
-        if step.aside is not None and step.aside.deferred and self.scores_verify_rows:
-            n = step.aside.tokens.shape[0]
-            moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
-            self.backend.score_layers(self.aside_query[:, :n], self.cache.key_pool, step.verify_page_table,
-                                      step.aside.query_start, self.aside_lse[:, :n], step.num_old_keys, step.scores,
-                                      self.score_scale, step.verify_slots, spec, offsets=moves, best=step.best,
-                                      max_rows=step.max_verify_rows)  # fmt: skip
+        moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
+        if step.aside is not None and step.aside.deferred and self.scores_verify_rows:  # every layer's scores
+            self.backend.score_layers(self.aside_query[:, : v * spec], self.cache.key_pool, step.verify_page_table,
+                                      step.aside.query_start, self.aside_lse[:, : v * spec], step.num_old_keys,
+                                      step.scores, self.score_scale, step.verify_slots, spec, offsets=moves,
+                                      best=step.best, max_rows=step.max_verify_rows)  # fmt: skip
         if v and self.scores_verify_rows:  # the verifications' new selections, every layer at once
-            moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
             self.backend.select_verified_keys(step.scores, step.num_old_keys, step.budgets, self.cache.selected,
                                               step.verify_slots, moves, step.best, self.group,
                                               num_selectable_keys=f["num_selectable_keys"])  # fmt: skip

@@ -415,9 +415,7 @@ def pillar_scores_layers_into(
                                        scores[0], best[0] if best is not None else None, max_rows)  # fmt: skip
     if page_table.shape[0] == 0 or scores.shape[3] == 0:
         return
-    for name, x in (("query", query), ("lse", lse), ("page_table", page_table)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a unit-stride last dimension, got strides {x.stride()}")
+    query, page_table, lse = last_dim_contiguous(query), last_dim_contiguous(page_table), last_dim_contiguous(lse)
     _launch_scores(query, key_pool, page_table, query_start, lse, num_old_keys, scores, scale, group, max_queries,
                    best, max_rows)  # fmt: skip
 
