@@ -54,6 +54,12 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model.eval()
 
 
+def on_backend_device(model: torch.nn.Module, backend: str | None) -> torch.nn.Module:
+    """The model where `backend`'s kernels run: Triton's on CUDA tensors where a GPU is present (the
+    interpreter, on CPU tensors, only without one: see conftest.py)."""
+    return model.cuda() if backend == "triton" and torch.cuda.is_available() else model
+
+
 # one token per character: pad, eos, newline and the printable ASCII characters ' ' .. '|' (VOCAB in all)
 TOKENS = ["<pad>", "</s>", "\n"] + [chr(c) for c in range(32, 125)]
 assert len(TOKENS) == VOCAB

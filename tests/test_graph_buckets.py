@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from models import assert_same_decoding, tiny_model
+from models import assert_same_decoding, on_backend_device, tiny_model
 
 from hf_sparsespec.attention import use_attention
 from hf_sparsespec.batch import round_up_rows
@@ -174,9 +174,7 @@ def test_an_iteration_in_a_larger_shifted_bucket_decodes_the_same(backend, do_sa
     shift fields (what borrowing a larger graph does): the same tokens, acceptance, KV and token history.
     Requests take plain steps until their context reaches 12 tokens, so one-token rows mix plain steps
     and drafts."""
-    model = tiny_model("qwen2")
-    if backend == "triton" and torch.cuda.is_available():  # Triton kernels run on CUDA tensors there
-        model = model.cuda()
+    model = on_backend_device(tiny_model("qwen2"), backend)
     prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
     config = SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4, backend=backend, min_draft_context=12,
                               cuda_graphs=False)  # the padded iterations themselves, eagerly  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_greedy_equal, ragged_batch, shortened_cycles, tiny_model
+from models import assert_greedy_equal, on_backend_device, ragged_batch, shortened_cycles, tiny_model
 
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
@@ -29,8 +29,8 @@ def sparsespec(model, ids, mask, max_new_tokens, config, **kwargs):
 def exact_greedy_run(arch: str, lengths: list[int], max_new_tokens: int, config: SparseSpecConfig):
     """SparseSpec's greedy output (with its statistics) for a ragged batch of prompts of `lengths` on a
     tiny `arch` model, checked token for token against plain `generate`."""
-    model = tiny_model(arch)
-    ids, mask = ragged_batch(lengths)
+    model = on_backend_device(tiny_model(arch), config.backend)
+    ids, mask = (t.to(model.device) for t in ragged_batch(lengths))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
     out = sparsespec(model, ids, mask, max_new_tokens, config)
     assert_greedy_equal(model, expected, out.sequences, mask)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_greedy_equal, ragged_batch, tiny_model
+from models import assert_greedy_equal, on_backend_device, ragged_batch, tiny_model
 
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.cache.page_allocator import PageAllocator
@@ -89,8 +89,8 @@ def test_greedy_equals_plain_generate_and_no_selected_key_is_in_the_window(confi
             checked.append(int(budgets[row]))
 
     monkeypatch.setattr(backend_class, "select_verified_keys", spy)
-    model = tiny_model("qwen2")
-    ids, mask = ragged_batch([9, 14, 5, 11])
+    model = on_backend_device(tiny_model("qwen2"), config.backend)
+    ids, mask = (t.to(model.device) for t in ragged_batch([9, 14, 5, 11]))
     new_tokens = 16 if config.backend == "triton" else 40
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     out = _generate(model, ids, mask, new_tokens, config)

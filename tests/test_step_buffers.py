@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import VOCAB, assert_greedy_equal, assert_same_decoding, ragged_batch, tiny_model
+from models import VOCAB, assert_greedy_equal, assert_same_decoding, on_backend_device, ragged_batch, tiny_model
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
@@ -326,8 +326,8 @@ def test_kernel_argument_strides_keep_their_divisibility_whatever_the_lengths(ma
     # lengths (page table, selected-index store, PillarAttn scores) stay multiples of 16, so another
     # max_new_tokens reuses the compiled kernels. The buffers are sized when the engine is built; the
     # short lengths also decode through them (37 tokens under the interpreter would take ~2 minutes).
-    model = tiny_model("qwen2")
     config = SparseSpecConfig(num_draft_tokens=3, min_budget=5, page_size=4, backend="triton")
+    model = on_backend_device(tiny_model("qwen2"), config.backend)
     prompts = [[5, 17, 3, 8], [9] * 11]
     if max_new_tokens <= 7:
         engine, requests, _ = _run_engine(model, prompts, config, pad=True, max_new_tokens=max_new_tokens)
