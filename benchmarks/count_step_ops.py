@@ -65,7 +65,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--min-draft-context", type=int, default=0,
                         help="SparseSpecConfig.min_draft_context (e.g. 10000: every counted iteration plain steps)")
-    parser.add_argument("--score-after-forward", action="store_true", help="SparseSpecConfig.score_after_forward")
+    scoring = parser.add_mutually_exclusive_group()
+    scoring.add_argument("--score-after-forward", dest="score_after_forward", action="store_const", const=True,
+                         help="SparseSpecConfig.score_after_forward=True (None, the default, is the same here)")
+    scoring.add_argument("--per-layer-scoring", dest="score_after_forward", action="store_const", const=False,
+                         help="SparseSpecConfig.score_after_forward=False: each layer scored inside the forward")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("set TRITON_INTERPRET=1 before running (the Triton backend on the CPU)")

@@ -224,12 +224,15 @@ def run_fields(run: str, args) -> dict:
     `<run>_local<n>` `local_window=n`, `<run>_from<n>` `min_draft_context=n`, `<run>_refresh<n>`
     `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail` `plain_tail_rows`
     (in that order: `pillar_tail_k16_refresh2_from2048_local16_minbudget80`), and before all of them
-    `<run>_scoreafter` `score_after_forward=True`; `MODULE_SUFFIXES` and then `_unfused`, last,
+    `<run>_scoreafter` `score_after_forward=True` and `<run>_scoreinline` `False` (each layer scored inside the
+    forward; None, the default, otherwise); `MODULE_SUFFIXES` and then `_unfused`, last,
     change no field (see `run_settings`)."""
     run, _ = split_module_settings(run)
     fields = {}
     if run.endswith("_scoreafter"):
         run, fields = run.removesuffix("_scoreafter"), dict(score_after_forward=True)
+    elif run.endswith("_scoreinline"):
+        run, fields = run.removesuffix("_scoreinline"), dict(score_after_forward=False)
     base, _, budget = run.rpartition("_minbudget")
     if base and budget.isdigit():
         run, fields = base, fields | dict(min_budget=int(budget))

@@ -63,7 +63,8 @@ def sparsespec_attention(
     if score and step.score_scale is not None and scale != step.score_scale:
         raise NotImplementedError(
             f"SparseSpecConfig.score_after_forward scores every layer with the scale {step.score_scale}, "
-            f"but layer {module.layer_idx} ({type(module).__name__}) attends with {scale}"
+            f"but layer {module.layer_idx} ({type(module).__name__}) attends with {scale}: set "
+            "SparseSpecConfig(score_after_forward=False) for this model"
         )
     verify = (step.verify_page_table, step.verify_query_start)
     if step.compiled:  # opaque custom ops in the compiled graph (the whole selected store: see ops.py)

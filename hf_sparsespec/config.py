@@ -168,11 +168,12 @@ class SparseSpecConfig:
             PillarAttn pass) in one launch after the forward instead of one launch per layer: each
             layer's attention copies its verification rows' queries and LSE aside (layers x requests x
             (k + 1) x query heads x (head_dim x dtype + 4) bytes, taken out of the KV pool's share).
-            One layer's pass spreads few verifications over the device in short chunks (at 64 rows
-            0.63 ms an iteration for ~0.46 GB of keys at 8K contexts on the H200, docs/measurements.md
-            22 and 30); all layers at once give each program longer chunks. Outputs are unchanged
-            (the scores are the same). Needs one attention scale for every layer. Off by default:
-            not measured on a GPU yet.
+            One layer's pass spreads few verifications over the device in short chunks; all layers at
+            once give each program longer chunks. On the H100 (8K contexts, compiled forward) an
+            iteration's GPU time fell from 10.43 to 10.22 ms at 256 rows and from 4.98 to 4.83 ms at 64
+            (docs/measurements.md 31). Outputs are unchanged (the scores are the same). None (the
+            default): on, unless `overlap_scoring` is set or the model's layers attend with different
+            scales (then each layer scores itself); True: on, and such a model is an error; False: off.
     """
 
     num_draft_tokens: int = 8
@@ -201,7 +202,7 @@ class SparseSpecConfig:
     selection_refresh_interval: int = 1
     min_draft_context: int = 0
     local_window: int = 0
-    score_after_forward: bool = False
+    score_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -261,9 +262,13 @@ class SparseSpecConfig:
                 f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
             )
-        for name in ("cuda_graphs", "compile_forward", "overlap_scoring", "score_after_forward"):
+        for name in ("cuda_graphs", "compile_forward", "overlap_scoring"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.score_after_forward is not None and not isinstance(self.score_after_forward, bool):
+            raise ValueError(
+                f"SparseSpecConfig.score_after_forward must be a bool or None (automatic), got {self.score_after_forward!r}"
+            )
         if self.overlap_scoring and self.score_after_forward:
             raise ValueError(
                 "SparseSpecConfig.overlap_scoring and score_after_forward are two places for the same scoring "

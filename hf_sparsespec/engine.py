@@ -169,7 +169,7 @@ class Engine:
             workspace = 0
             if config.selection in SCORED_SELECTIONS and self.k > 0:
                 workspace = 4 * geometry.num_layers * num_slots * geometry.num_kv_heads * history_width
-                if config.overlap_scoring or config.score_after_forward:
+                if config.overlap_scoring or config.score_after_forward is not False:  # None: most models
                     copy_bytes = geometry.head_dim * geometry.dtype.itemsize + 4
                     workspace += geometry.num_layers * num_slots * spec * geometry.num_q_heads * copy_bytes
             share = int(free * config.gpu_memory_fraction) - workspace

@@ -99,7 +99,7 @@ class ModelRunner:
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
                  logits_to_keep: bool, max_context: int, compile_forward: bool = False,
                  tp_group=None, overlap_scoring: bool = False, compiles_plain_shapes: bool = False,
-                 score_after_forward: bool = False) -> None:  # fmt: skip
+                 score_after_forward: bool | None = None) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
@@ -142,10 +142,20 @@ class ModelRunner:
         # `overlap_scoring`: the scoring passes on a second stream, reading copies of the verification
         # rows' queries and LSE (at most every request verifying, k + 1 tokens each)
         # `score_after_forward`: the layers only copy them; every layer is scored after the forward, in one call
+        # (None: unless `overlap_scoring` or layers with different scales, which then score themselves)
         self.scoring_stream = self.aside_query = self.aside_lse = None
         overlap = overlap_scoring and backend.needs_plan and device.type == "cuda"
-        self.score_after_forward = score_after_forward and self.scores is not None
-        self.score_scale = attention_scale(model, cache.head_dim) if self.score_after_forward else None
+        self.score_scale = None
+        if self.scores is not None and score_after_forward is not False and not overlap_scoring:
+            scales = attention_scales(model, cache.head_dim)
+            if len(scales) == 1:
+                self.score_scale = scales.pop()
+            elif score_after_forward:
+                raise NotImplementedError(
+                    f"SparseSpecConfig.score_after_forward=True needs one attention scale for every layer; "
+                    f"{type(model).__name__}'s layers use {sorted(scales)} (leave it None: each layer scores itself)"
+                )
+        self.score_after_forward = self.score_scale is not None
         if self.scores is not None and (overlap or self.score_after_forward):
             self.scoring_stream = scoring_stream(device.index) if overlap else None  # a tensor's device: indexed
             copies = largest.num_verify_rows * (k + 1)
@@ -529,17 +539,11 @@ class ModelRunner:
         return logits  # [num_logits, vocab], the model's dtype
 
 
-def attention_scale(model, head_dim: int) -> float:
-    """The softmax scale every attention layer of `model` passes the attention (its modules' `scaling`,
-    head_dim ** -0.5 where None): one for all layers, as scoring every layer in one launch needs."""
+def attention_scales(model, head_dim: int) -> set[float]:
+    """The softmax scales `model`'s attention layers pass the attention (their modules' `scaling`,
+    head_dim ** -0.5 where None): scoring every layer in one launch needs one for all of them."""
     scales = {m.scaling for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
-    scales = {head_dim**-0.5 if scale is None else float(scale) for scale in scales} or {head_dim**-0.5}
-    if len(scales) > 1:
-        raise NotImplementedError(
-            f"SparseSpecConfig.score_after_forward needs one attention scale for every layer; "
-            f"{type(model).__name__}'s layers use {sorted(scales)}"
-        )
-    return scales.pop()
+    return {head_dim**-0.5 if scale is None else float(scale) for scale in scales} or {head_dim**-0.5}
 
 
 def _bucket_of(shape: StepShape) -> Bucket:

@@ -59,5 +59,5 @@ class StepBatch:
     # `overlap_scoring`: the scoring pass's stream and copies (`ops.ScoringAside`, with `query` and `lse`
     # the runner's whole `[num_layers, ...]` stores, sliced per layer); None: scored in line
     aside: object | None = None
-    # `score_after_forward`: the one softmax scale the runner scores every layer with (`runner.attention_scale`)
+    # `score_after_forward`: the one softmax scale the runner scores every layer with (`runner.attention_scales`)
     score_scale: float | None = None

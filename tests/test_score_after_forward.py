@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_greedy_equal, ragged_batch, tiny_model
+from models import assert_greedy_equal, on_backend_device, ragged_batch, tiny_model
 from transformers import GenerationConfig
 
 import hf_sparsespec
@@ -17,7 +17,7 @@ from hf_sparsespec.kernels.pillar_select import (
     pillar_scores_into,
     pillar_scores_layers_into,
 )
-from hf_sparsespec.runner import attention_scale
+from hf_sparsespec.runner import attention_scales
 
 
 def _paged_layers(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, generator):
@@ -106,10 +106,10 @@ IDS = ["k4-pillar", "k5-induction-diagonal-every-2", "k3-diagonal-naive-sync", "
 
 @pytest.mark.parametrize("fields", CONFIGS, ids=IDS)
 def test_greedy_equals_plain_generate_and_sampling_draws_the_same_tokens(fields, monkeypatch):
-    """Greedy equals plain `generate` with every layer scored after the forward (and none inside it);
-    sampled with one seed, the tokens and the acceptance equal those of the per-layer passes: the same
-    scores, so the same selections and drafts (a draft's keys change its distribution, and with it the
-    keyed draws)."""
+    """By default (None) every layer is scored after the forward and none inside it, and greedy equals
+    plain `generate`; sampled with one seed, the tokens and the acceptance equal those of the per-layer
+    passes (`False`): the same scores, so the same selections and drafts (a draft's keys change its
+    distribution, and with it the keyed draws)."""
     if fields.get("backend") == "triton":
         from hf_sparsespec.kernels.triton_backend import TritonBackend as backend_class
     else:
@@ -124,8 +124,8 @@ def test_greedy_equals_plain_generate_and_sampling_draws_the_same_tokens(fields,
     def refused(self, *args, **kwargs):
         raise AssertionError("a layer scored inside the forward")
 
-    model = tiny_model("qwen2")
-    ids, mask = ragged_batch([9, 14, 5, 11])
+    model = on_backend_device(tiny_model("qwen2"), fields.get("backend"))
+    ids, mask = (t.to(model.device) for t in ragged_batch([9, 14, 5, 11]))
     new_tokens = 14 if fields.get("backend") == "triton" else 36
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     with monkeypatch.context() as patch, torch.no_grad():
@@ -133,7 +133,7 @@ def test_greedy_equals_plain_generate_and_sampling_draws_the_same_tokens(fields,
         patch.setattr(backend_class, "score_verification", refused)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                              generation_strategy="sparsespec", return_dict_in_generate=True,
-                             sparsespec_config=SparseSpecConfig(score_after_forward=True, **fields))  # fmt: skip
+                             sparsespec_config=SparseSpecConfig(**fields))  # fmt: skip
     assert_greedy_equal(model, expected, out.sequences, mask)
     assert calls and set(calls) == {model.config.num_hidden_layers}
     total = out.sparsespec_stats.total
@@ -146,28 +146,47 @@ def test_greedy_equals_plain_generate_and_sampling_draws_the_same_tokens(fields,
         results = hf_sparsespec.generate_batch(model, prompts, gc, SparseSpecConfig(**fields, **overrides))
         return [r.generated_ids for r in results]
 
-    assert sampled(score_after_forward=True) == sampled()
+    assert sampled() == sampled(score_after_forward=False)
 
 
 def test_the_option_is_checked():
-    with pytest.raises(ValueError, match="score_after_forward must be a bool"):
+    with pytest.raises(ValueError, match="score_after_forward must be a bool or None"):
         SparseSpecConfig(score_after_forward=1)
     with pytest.raises(ValueError, match="choose one"):
         SparseSpecConfig(score_after_forward=True, overlap_scoring=True)
+    assert SparseSpecConfig().score_after_forward is None  # automatic
+    assert SparseSpecConfig(overlap_scoring=True).overlap_scoring  # then each layer scores itself, beside it
     assert SparseSpecConfig(selection="streaming", score_after_forward=True).score_after_forward  # nothing to score
 
 
-def test_one_scale_for_every_layer_or_a_clear_error():
+def test_layers_with_different_scales_score_themselves_or_fail_clearly(monkeypatch):
+    """Scoring every layer in one launch needs one scale: by default a model whose layers differ scores
+    each layer inside the forward (greedy still equals plain `generate`); `True` says why it cannot."""
+    from hf_sparsespec.kernels.backend import TorchBackend
+
     model = tiny_model("llama")
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    assert attention_scale(model, head_dim) == pytest.approx(head_dim**-0.5)
+    (scale,) = attention_scales(model, head_dim)
+    assert scale == pytest.approx(head_dim**-0.5)
     model.model.layers[1].self_attn.scaling = 0.125
-    with pytest.raises(NotImplementedError, match="one attention scale for every layer"):
-        attention_scale(model, head_dim)
+    assert len(attention_scales(model, head_dim)) == 2
     ids, mask = ragged_batch([6, 4])
-    with pytest.raises(NotImplementedError, match="one attention scale"), torch.no_grad():
+    config = dict(num_draft_tokens=2, min_budget=2, page_size=4)
+    with pytest.raises(NotImplementedError, match="one attention scale for every layer"), torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, generation_strategy="sparsespec",
-                       sparsespec_config=SparseSpecConfig(num_draft_tokens=2, score_after_forward=True))  # fmt: skip
+                       sparsespec_config=SparseSpecConfig(**config, score_after_forward=True))  # fmt: skip
+
+    def refused(self, *args, **kwargs):
+        raise AssertionError("layers with different scales scored in one launch")
+
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(TorchBackend, "score_layers", refused)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                             generation_strategy="sparsespec", return_dict_in_generate=True,
+                             sparsespec_config=SparseSpecConfig(**config))  # fmt: skip
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sparsespec_stats.total.cycles > 0
 
 
 def test_a_layer_attending_with_another_scale_fails_clearly(monkeypatch):
@@ -175,7 +194,7 @@ def test_a_layer_attending_with_another_scale_fails_clearly(monkeypatch):
     score every layer wrongly): the first scoring layer says so."""
     import hf_sparsespec.runner as runner
 
-    monkeypatch.setattr(runner, "attention_scale", lambda model, head_dim: 0.5)
+    monkeypatch.setattr(runner, "attention_scales", lambda model, head_dim: {0.5})
     model = tiny_model("qwen2")
     ids, mask = ragged_batch([6, 9])
     with pytest.raises(NotImplementedError, match="scores every layer with the scale 0.5"), torch.no_grad():

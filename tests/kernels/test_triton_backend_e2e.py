@@ -53,21 +53,25 @@ def test_top_k_top_p_sampling_on_triton_backend_draws_the_unfused_tokens(device,
     assert (out[:, 14:] != 7).all()
 
 
-def test_every_scoring_launch_pads_its_rows_to_the_workspace(device, monkeypatch):
+@pytest.mark.parametrize("after_forward", [False, True], ids=["per-layer", "after-forward"])
+def test_every_scoring_launch_pads_its_rows_to_the_workspace(after_forward, device, monkeypatch):
     """The engine passes its scores workspace's rows as `max_rows` to every scoring launch, whatever
-    the iteration's verifications (eager and, on a GPU, compiled: one compiled kernel for them all)."""
+    the iteration's verifications (eager and, on a GPU, compiled: one compiled kernel for them all):
+    one launch a layer, or one for all layers after the forward (the default)."""
     from hf_sparsespec.kernels import triton_backend
 
-    launches, score = [], triton_backend.pillar_scores_into
+    name = "pillar_scores_layers_into" if after_forward else "pillar_scores_into"
+    launches, score = [], getattr(triton_backend, name)
 
     def recording(query, k_cache, page_table, *args, max_rows=None, **kwargs):
         launches.append((page_table.shape[0], max_rows))
         return score(query, k_cache, page_table, *args, max_rows=max_rows, **kwargs)
 
-    monkeypatch.setattr(triton_backend, "pillar_scores_into", recording)
+    monkeypatch.setattr(triton_backend, name, recording)
     model = tiny_model("qwen2").float().to(device)
     ids, mask = (x.to(device) for x in ragged_batch([9, 14, 6]))
-    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, backend="triton")
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, backend="triton",
+                              score_after_forward=after_forward)  # fmt: skip
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
                        generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
