@@ -155,8 +155,28 @@ def test_the_option_is_checked():
     with pytest.raises(ValueError, match="choose one"):
         SparseSpecConfig(score_after_forward=True, overlap_scoring=True)
     assert SparseSpecConfig().score_after_forward is None  # automatic
-    assert SparseSpecConfig(overlap_scoring=True).overlap_scoring  # then each layer scores itself, beside it
     assert SparseSpecConfig(selection="streaming", score_after_forward=True).score_after_forward  # nothing to score
+
+
+def test_overlap_scoring_keeps_each_layer_scoring_itself(monkeypatch):
+    """`overlap_scoring=True` with the default: the layers score themselves (beside the forward on a
+    GPU, in line here), never in one launch after it; greedy still equals plain `generate`."""
+    from hf_sparsespec.kernels.backend import TorchBackend
+
+    def refused(self, *args, **kwargs):
+        raise AssertionError("scored after the forward although overlap_scoring was chosen")
+
+    model = tiny_model("qwen2")
+    ids, mask = ragged_batch([9, 5])
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(TorchBackend, "score_layers", refused)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                             generation_strategy="sparsespec", return_dict_in_generate=True,
+                             sparsespec_config=SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4,
+                                                                overlap_scoring=True))  # fmt: skip
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sparsespec_stats.total.cycles > 0
 
 
 def test_layers_with_different_scales_score_themselves_or_fail_clearly(monkeypatch):
