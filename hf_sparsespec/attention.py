@@ -51,14 +51,10 @@ def sparsespec_attention(
             f"reached {step.max_context} tokens; hf_sparsespec supports full attention only"
         )
     layer_idx = module.layer_idx
-    layer = step.cache.layers[layer_idx]
-    selected = step.cache.selected[layer_idx]
     moved_store = step.cache.moved_offsets  # [layers, slots, kv_heads, num_moved] or None
-    offsets = moved_store[layer_idx] if moved_store is not None else None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [num_tokens, num_q_heads, head_dim]
     rows = (step.page_table, step.query_start, step.context_lens)
-    draft = (step.recent_start, selected, step.selection_slot, step.num_selected)
     score = step.score_verify_rows and step.num_verify_rows > 0
     if score and step.score_scale is not None and scale != step.score_scale:
         raise NotImplementedError(
@@ -67,10 +63,10 @@ def sparsespec_attention(
             "SparseSpecConfig(score_after_forward=False) for this model"
         )
     verify = (step.verify_page_table, step.verify_query_start)
-    if step.compiled:  # opaque custom ops in the compiled graph (the whole selected store: see ops.py)
-        plan, store = step.plan, step.cache.selected
+    if step.compiled:  # opaque custom ops in the compiled graph: whole stores and the layer's index (ops.py)
+        plan, store, cache = step.plan, step.cache.selected, step.cache
         out, lse = ops.mixed_attention(
-            q, layer.keys, layer.values, *rows, step.num_full_rows_tensor, step.recent_start, store, layer_idx,
+            q, cache.key_pool, cache.value_pool, *rows, step.num_full_rows_tensor, step.recent_start, store, layer_idx,
             step.selection_slot, step.num_selected, scale,
             plan.work if plan else None, plan.merge if plan else None, plan.part_out if plan else None,
             plan.part_lse if plan else None, plan.block_m_full if plan else 0, plan.block_m_draft if plan else 0,
@@ -78,13 +74,16 @@ def sparsespec_attention(
         )  # fmt: skip
         if score:
             aside = step.aside
-            ops.score_verification(q, layer.keys, *verify, lse, step.num_old_keys, step.scores, layer_idx,
+            ops.score_verification(q, cache.key_pool, *verify, lse, step.num_old_keys, step.scores, layer_idx,
                                    step.verify_slots, scale, step.spec_len, step.max_verify_rows, step.backend.name,
                                    moved_store if step.verify_moves else None, step.best, step.verify_moves,
                                    *(aside.query, aside.lse, aside.tokens, aside.query_start) if aside else (None,) * 4,
                                    aside is not None and aside.stream is not None,
                                    aside is not None and aside.deferred)  # fmt: skip
         return out[None], None
+    layer = step.cache.layers[layer_idx]
+    offsets = moved_store[layer_idx] if moved_store is not None else None
+    draft = (step.recent_start, step.cache.selected[layer_idx], step.selection_slot, step.num_selected)
     out, lse = step.backend.mixed_attention(q, layer.keys, layer.values, *rows, step.num_full_rows, *draft, scale,
                                             plan=step.plan, offsets=offsets)  # fmt: skip
     if score:

@@ -24,31 +24,35 @@ def _backend(name: str, device: torch.device):
     return get_backend(name, device)
 
 
-@torch.library.custom_op("hf_sparsespec::store_kv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("hf_sparsespec::store_kv", mutates_args=("key_pool", "value_pool"))
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    backend: str,
+    key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layer: int,
+    slot_mapping: torch.Tensor, backend: str,
 ) -> None:  # fmt: skip
-    _backend(backend, key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
+    """Writes `layer`'s pages of the pools (`[num_layers, num_pages, page_size, kv_heads, head_dim]`,
+    `SparseSpecCache.key_pool`/`value_pool`): the layer an argument, not a view, so that layers can
+    share one compiled graph (`ModelRunner`, `compile_forward="layers"`)."""
+    _backend(backend, key.device).store_kv(key, value, key_pool[layer], value_pool[layer], slot_mapping)
 
 
 @store_kv.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, backend) -> None:
+def _(key, value, key_pool, value_pool, layer, slot_mapping, backend) -> None:
     return None
 
 
 @torch.library.custom_op("hf_sparsespec::mixed_attention", mutates_args=("part_out", "part_lse"))
 def mixed_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, page_table: torch.Tensor,
     query_start: torch.Tensor, context_lens: torch.Tensor, num_full_rows: torch.Tensor, recent_start: torch.Tensor,
     selected: torch.Tensor, layer: int, selection_slot: torch.Tensor, num_selected: torch.Tensor, scale: float,
     work: torch.Tensor | None, merge: torch.Tensor | None, part_out: torch.Tensor | None,
     part_lse: torch.Tensor | None, block_m_full: int, block_m_draft: int, backend: str,
     moved_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`num_full_rows`: a one-element tensor (read by the reference backend only); `selected` (and
-    `moved_offsets`, the diagonal selection's, or None): the whole store `[num_layers, slots,
-    kv_heads, width]`, of which `layer` is read."""
+    """`num_full_rows`: a one-element tensor (read by the reference backend only); the pools (as
+    `store_kv`'s), `selected` (and `moved_offsets`, the diagonal selection's, or None): whole stores
+    `[num_layers, ...]`, of which `layer` is read."""
+    k_cache, v_cache = key_pool[layer], value_pool[layer]
     plan, full_rows = None, 0  # with a plan the kernels never read the count: no host read (CUDA-graph capture)
     if work is None:
         full_rows = int(num_full_rows)
@@ -64,7 +68,7 @@ def mixed_attention(
 
 
 @mixed_attention.register_fake
-def _(query, k_cache, v_cache, page_table, query_start, context_lens, num_full_rows, recent_start, selected, layer,
+def _(query, key_pool, value_pool, page_table, query_start, context_lens, num_full_rows, recent_start, selected, layer,
       selection_slot, num_selected, scale, work, merge, part_out, part_lse, block_m_full, block_m_draft, backend,
       moved_offsets=None):  # fmt: skip
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
@@ -133,7 +137,7 @@ def score_layer(
     "hf_sparsespec::score_verification", mutates_args=("scores", "moved_offsets", "best", "aside_query", "aside_lse")
 )
 def score_verification(
-    query: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
+    query: torch.Tensor, key_pool: torch.Tensor, page_table: torch.Tensor, query_start: torch.Tensor,
     lse: torch.Tensor, num_old_keys: torch.Tensor, scores: torch.Tensor, layer: int, slots: torch.Tensor,
     scale: float, max_queries: int, max_rows: int, backend: str, moved_offsets: torch.Tensor | None,
     best: torch.Tensor | None, num_moves: int, aside_query: torch.Tensor | None, aside_lse: torch.Tensor | None,
@@ -154,14 +158,14 @@ def score_verification(
         aside = ScoringAside(stream, aside_query, aside_lse, aside_tokens, aside_query_start,
                              aside_deferred).for_layer(layer)  # fmt: skip
     score_layer(
-        _backend(backend, query.device), query, k_cache, page_table, query_start, lse, num_old_keys, scores[layer],
+        _backend(backend, query.device), query, key_pool[layer], page_table, query_start, lse, num_old_keys, scores[layer],
         scale, slots, max_queries, offsets=moved_offsets[layer][..., :num_moves] if moved_offsets is not None else None,
         best=best[layer] if best is not None else None, aside=aside, max_rows=max_rows,
     )  # fmt: skip
 
 
 @score_verification.register_fake
-def _(query, k_cache, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, max_rows,
+def _(query, key_pool, page_table, query_start, lse, num_old_keys, scores, layer, slots, scale, max_queries, max_rows,
       backend, moved_offsets, best, num_moves, aside_query, aside_lse, aside_tokens, aside_query_start, aside_on_stream,
       aside_deferred):  # fmt: skip
     return None

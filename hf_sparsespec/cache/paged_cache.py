@@ -136,13 +136,13 @@ class SparseSpecCache(Cache):
                 "SparseSpecCache is only written inside an hf_sparsespec engine step; "
                 "use model.generate(..., generation_strategy='sparsespec')"
             )
-        layer = self.layers[layer_idx]
         key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        if step.compiled:
+        if step.compiled:  # the pools and the layer's index: no per-layer view in the compiled graph
             from hf_sparsespec import ops
 
-            ops.store_kv(key, value, layer.keys, layer.values, step.slot_mapping, step.backend.name)
+            ops.store_kv(key, value, self.key_pool, self.value_pool, layer_idx, step.slot_mapping, step.backend.name)
         else:
+            layer = self.layers[layer_idx]
             step.backend.store_kv(key, value, layer.keys, layer.values, step.slot_mapping)
         return key_states, value_states
 
