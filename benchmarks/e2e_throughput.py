@@ -13,7 +13,8 @@ token, the KV-bound regime of models with more KV heads.
 Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per shape), `ar`
 (`num_draft_tokens=0`), `pillar`, `diagonal`, `induction`, `induction_diagonal`, `streaming`, `dense`, `ar_compiled` /
 `pillar_compiled` / `diagonal_compiled` / `induction_compiled` / `induction_diagonal_compiled`
-(`compile_forward=True`, warmed first),
+(`compile_forward=True`, warmed first), `ar_compiledlayers` / `induction_diagonal_compiledlayers`
+(`compile_forward="layers"`: one compiled graph shared by the decoder layers),
 `adaptive` (`adaptive_draft_tokens=True`; `adaptive_induction_diagonal` with that selection), any of
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
 finish with plain one-token steps), any of our drafting runs with `_refresh<n>` appended
@@ -146,6 +147,9 @@ SELECTIONS = {  # run name -> SparseSpecConfig fields
     "induction_compiled": dict(selection="induction", compile_forward=True),
     "induction_diagonal": dict(selection="induction_diagonal"),
     "induction_diagonal_compiled": dict(selection="induction_diagonal", compile_forward=True),
+    # each decoder layer compiled, one graph for all (`compile_forward="layers"`)
+    "ar_compiledlayers": dict(num_draft_tokens=0, compile_forward="layers"),
+    "induction_diagonal_compiledlayers": dict(selection="induction_diagonal", compile_forward="layers"),
     # the scoring passes on a second stream (`overlap_scoring`), against the same run without
     "induction_diagonal_overlap": dict(selection="induction_diagonal", overlap_scoring=True),
     "induction_diagonal_overlap_compiled": dict(selection="induction_diagonal", compile_forward=True,

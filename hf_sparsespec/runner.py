@@ -97,7 +97,7 @@ class ModelRunner:
     def __init__(self, model, cache, backend, pipeline: LogitsPipeline, do_sample: bool, *, k: int,
                  num_slots: int, history_width: int, largest: StepShape, max_page_updates: int, vocab_size: int,
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
-                 logits_to_keep: bool, max_context: int, compile_forward: bool = False,
+                 logits_to_keep: bool, max_context: int, compile_forward: bool | str = False,
                  tp_group=None, overlap_scoring: bool = False, compiles_plain_shapes: bool = False,
                  score_after_forward: bool | None = None) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
@@ -181,12 +181,18 @@ class ModelRunner:
         # padded decode iterations may run the forward compiled (the attention ops as custom ops); the
         # iterations' sizes vary independently, so equal sizes must not share a symbol (duck shaping)
         self.compiled_forward = None
+        self.compiled_layers: list[tuple[torch.nn.Module, object]] = []
         self.compiles_plain_shapes = compiles_plain_shapes or k == 0
         if compile_forward:
             import torch.fx.experimental._config as fx_config
 
             fx_config.use_duck_shape = False
-            self.compiled_forward = torch.compile(self._model_logits, dynamic=True)
+            if compile_forward == "layers":  # one graph for every decoder layer: the layer index symbolic
+                self.compiled_layers = [(layer, torch.compile(layer._call_impl, dynamic=True))
+                                        for layer in decoder_layers(model)]  # fmt: skip
+                self.compiled_forward = self._model_logits_compiled_layers
+            else:
+                self.compiled_forward = torch.compile(self._model_logits, dynamic=True)
         self.counters = RunnerCounters()
         self.time_iterations = False
 
@@ -518,6 +524,20 @@ class ModelRunner:
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, sparsespec_step=step,
                           **kwargs).logits  # fmt: skip
 
+    def _model_logits_compiled_layers(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
+        """`_model_logits` with each decoder layer called through its compiled call (`compile_forward=
+        "layers"`), for this forward only: the layers' `layer_idx` stays a symbolic integer (the ops take
+        whole stores and the index), so all layers share one graph and compile once."""
+        saved = [layer._compiled_call_impl for layer, _ in self.compiled_layers]
+        for layer, compiled in self.compiled_layers:
+            layer._compiled_call_impl = compiled
+        try:
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+                return self._model_logits(input_ids, position_ids, logits_index, step)
+        finally:
+            for (layer, _), previous in zip(self.compiled_layers, saved):
+                layer._compiled_call_impl = previous
+
     def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         forward = self.compiled_forward if step.compiled else self._model_logits
         self.cache.active_step = step
@@ -537,6 +557,20 @@ class ModelRunner:
         if not self.logits_to_keep:
             logits = logits[logits_index]
         return logits  # [num_logits, vocab], the model's dtype
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers: the first module list whose every entry holds an attention
+    module (one with a `layer_idx`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 and all(
+            any(hasattr(m, "layer_idx") for m in layer.modules()) for layer in module
+        ):
+            return list(module)
+    raise NotImplementedError(
+        f"SparseSpecConfig.compile_forward='layers' found no list of decoder layers in {type(model).__name__}; "
+        "use compile_forward=True"
+    )
 
 
 def attention_scales(model, head_dim: int) -> set[float]:

@@ -88,6 +88,8 @@ def test_run_names_map_to_config_fields():
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, score_after_forward=True)
     assert run_fields("pillar_minbudget80_scoreafter_unfused", args) == dict(
         selection="pillar", min_budget=80, score_after_forward=True)
+    assert run_fields("induction_diagonal_compiledlayers_refresh2", args) == dict(
+        selection="induction_diagonal", compile_forward="layers", selection_refresh_interval=2)
     assert run_fields("induction_diagonal_compiled_refresh2_scoreinline", args) == dict(
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, score_after_forward=False)
     assert run_fields("induction_diagonal_compiled_k16_refresh2_from2048", args) == dict(

@@ -475,6 +475,35 @@ def test_compiled_forward_compiles_once_while_the_batch_shrinks():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
+def test_compiled_layers_share_one_graph_and_decode_as_the_eager_forward():
+    """`compile_forward="layers"`: every decoder layer runs through one compiled graph (the layer index
+    a symbolic integer, the ops given whole stores), compiled once for the 4 layers; the same tokens and
+    acceptance as the eager forward, and the user's layers are left uncompiled afterwards."""
+    import torch._dynamo.utils
+
+    from hf_sparsespec.runner import decoder_layers
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", num_hidden_layers=4)
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
+    runs, added = [], []
+    for mode in (False, "layers"):
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=mode,
+                                  selection="induction_diagonal", backend="torch")  # fmt: skip
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=20)
+        added.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+        runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
+    assert runs[0] == runs[1]
+    assert added == [0, 1] and sum(engine.runner._compiles(s) for s in shapes) > 5
+    assert [layer for layer, _ in engine.runner.compiled_layers] == list(model.model.layers)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    with pytest.raises(NotImplementedError, match="no list of decoder layers"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="compile_forward must be a bool or 'layers'"):
+        SparseSpecConfig(compile_forward="fast")
+
+
 def test_compiled_forward_compiles_twice_with_plain_steps_first():
     """`min_draft_context`: iterations of plain steps only (no verifications), requests crossing the
     threshold (plain steps beside drafts, no verification yet), then the cycles: two variants of the
