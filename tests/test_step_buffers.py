@@ -504,6 +504,20 @@ def test_compiled_layers_share_one_graph_and_decode_as_the_eager_forward():
         SparseSpecConfig(compile_forward="fast")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe"])
+def test_compiled_layers_decode_as_the_eager_forward_on_every_architecture(arch):
+    """`compile_forward="layers"` on the other tiny architectures (the MoE one's routing splits its layer
+    into two graphs): the eager forward's tokens."""
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
+    runs = []
+    for mode in (False, "layers"):
+        model = tiny_model(arch, num_hidden_layers=3)
+        config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=mode, backend="torch")
+        engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=14)
+        runs.append([r.generated for r in requests])
+    assert runs[0] == runs[1] and any(engine.runner._compiles(s) for s in shapes)
+
+
 def test_compiled_forward_compiles_twice_with_plain_steps_first():
     """`min_draft_context`: iterations of plain steps only (no verifications), requests crossing the
     threshold (plain steps beside drafts, no verification yet), then the cycles: two variants of the
