@@ -387,7 +387,7 @@ class ModelRunner:
         if step.aside is not None and step.aside.stream is not None:  # every layer's scores, before selecting
             torch.cuda.current_stream().wait_stream(self.scoring_stream)
         moves = self.cache.moved_offsets[..., : self.verify_moves] if self.verify_moves else None
-        if step.aside is not None and step.aside.deferred and self.scores_verify_rows:  # every layer's scores
+        if step.aside is not None and step.aside.deferred:  # every layer's scores, from the copies
             self.backend.score_layers(self.aside_query[:, : v * spec], self.cache.key_pool, step.verify_page_table,
                                       step.aside.query_start, self.aside_lse[:, : v * spec], step.num_old_keys,
                                       step.scores, self.score_scale, step.verify_slots, spec, offsets=moves,
