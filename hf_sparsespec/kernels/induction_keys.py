@@ -121,22 +121,22 @@ def _induction_lookup_kernel(
     token = tl.load(tokens_ptr + read)
     # old occurrences j: 0 <= j, successor j + 1 < recent_start, and a column after j (j + padding <= width - 2)
     top = tl.minimum(recent - 2, width - 2 - padding)
-    entries = tl.arange(0, ENTRIES_PAD)
     lanes = tl.arange(0, BLOCK)
-    result = tl.full([ENTRIES_PAD], NO_OFFSET_VALUE, tl.int64)
     found = tl.sum(tl.zeros([1], tl.int32), axis=0)
     history = tokens_ptr + slot * width + padding
+    out = offsets_ptr + row * NUM_ENTRIES
     for start in range(0, top + 1, BLOCK):  # latest positions first, block by block
         if found < NUM_ENTRIES:
             j = top - start - lanes
             valid = j >= 0
             match = (tl.load(history + j, mask=valid, other=0) == token) & valid
             rank = found + tl.cumsum(match.to(tl.int32), axis=0) - 1  # among all matches, latest first
-            hit = (rank[None, :] == entries[:, None]) & match[None, :]
-            value = tl.sum(tl.where(hit, (j + 1 - query)[None, :], 0), axis=1)
-            result = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, value, result)
+            # each match goes straight to its entry: no [entries, BLOCK] comparison, so a block can be wide
+            tl.store(out + rank, (j + 1 - query).to(tl.int32), mask=match & (rank < NUM_ENTRIES))
             found += tl.sum(match.to(tl.int32), axis=0)
-    tl.store(offsets_ptr + row * NUM_ENTRIES + entries, result.to(tl.int32), mask=entries < NUM_ENTRIES)
+    entries = tl.arange(0, ENTRIES_PAD)  # the entries past the matches (addresses no match was stored to)
+    past = (entries >= found) & (entries < NUM_ENTRIES)
+    tl.store(out + entries, tl.full([ENTRIES_PAD], NO_OFFSET_VALUE, tl.int32), mask=past)
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def _write_induction_kernel(
         tl.store(lists + num_taken + entries, tl.where(repeat, NO_OFFSET_VALUE, offsets), mask=in_list)
 
 
-LOOKUP_BLOCK = 256  # history positions a lookup program compares per step
+LOOKUP_BLOCK = 1024  # history positions a lookup program compares per step (a row that never matches at 8K: 8 steps)
 
 
 def write_induction_keys(

@@ -4,6 +4,8 @@ and KV head, and nothing outside the induction entries of the rows' slots."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -56,14 +58,16 @@ def _compare(device, tokens, reads, row_base, recent, store, num_taken):
     st.integers(0, 20),  # entries
     st.sampled_from([0, 3, 9]),  # diagonal entries before them
     st.integers(0, 12),  # how far before the read position the recent window starts
+    st.sampled_from([16, 128, induction_keys.LOOKUP_BLOCK]),  # scan block: many, a few or one per row
     st.integers(0, 2**31 - 1),
 )
-def test_matches_the_reference(num_slots, width, vocab, num_rows, num_entries, num_taken, margin, seed):
+def test_matches_the_reference(num_slots, width, vocab, num_rows, num_entries, num_taken, margin, block, seed):
     generator = torch.Generator().manual_seed(seed)
     vocab = vocab if seed % 3 else 500  # some cases with few matches: whole histories scanned
     tokens, reads, row_base, recent = _case(generator, num_slots + 1, width, vocab, num_rows, margin)
     store = _store(generator, 2, num_slots + 1, 2, num_taken, num_entries, [NO_OFFSET, -1, -2, -5, -9, -30, -200])
-    _compare(ANY_DEVICE, tokens, reads, row_base, recent, store, num_taken)
+    with mock.patch.object(induction_keys, "LOOKUP_BLOCK", block):
+        _compare(ANY_DEVICE, tokens, reads, row_base, recent, store, num_taken)
 
 
 @pytest.mark.parametrize("num_taken", [0, 18])
