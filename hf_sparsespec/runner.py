@@ -188,7 +188,12 @@ class ModelRunner:
 
             fx_config.use_duck_shape = False
             if compile_forward == "layers":  # one graph for every decoder layer: the layer index symbolic
-                self.compiled_layers = [(layer, torch.compile(layer._call_impl, dynamic=True))
+                # automatic dynamic shapes (dynamic=None), not dynamic=True: a layer's inputs (hidden states,
+                # rotary tables) would get every dimension symbolic, and the modules' ints (`head_dim`, made
+                # unspecialisable for `layer_idx`) too, so the elementwise kernels would index with divisions
+                # by runtime head sizes. Compiled static first, a layer recompiles once for the index (it
+                # changes from layer to layer) and once for the iteration's sizes (buckets): ~3 graphs.
+                self.compiled_layers = [(layer, torch.compile(layer._call_impl, dynamic=None))
                                         for layer in decoder_layers(model)]  # fmt: skip
                 self.compiled_forward = self._model_logits_compiled_layers
             else:

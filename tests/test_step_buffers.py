@@ -475,14 +475,28 @@ def test_compiled_forward_compiles_once_while_the_batch_shrinks():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
-def test_compiled_layers_share_one_graph_and_decode_as_the_eager_forward():
+def test_compiled_layers_share_one_graph_and_decode_as_the_eager_forward(monkeypatch):
     """`compile_forward="layers"`: every decoder layer runs through one compiled graph (the layer index
-    a symbolic integer, the ops given whole stores), compiled once for the 4 layers; the same tokens and
-    acceptance as the eager forward, and the user's layers are left uncompiled afterwards."""
+    a symbolic integer, the ops given whole stores), compiled for the 4 layers static first, then once
+    for the index and once for the iteration's sizes; the modules' other ints and the hidden and head
+    sizes stay static; the same tokens and acceptance as the eager forward, and the user's layers are
+    left uncompiled afterwards."""
     import torch._dynamo.utils
+    from torch._inductor.compile_fx import compile_fx
 
     from hf_sparsespec.runner import decoder_layers
 
+    graphs = []  # each compiled graph's symbolic inputs: (name, value) of SymInts, sizes of float tensors
+
+    def recording_backend(gm, example_inputs):
+        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append(([name for name, v in zip(names, placeholders) if isinstance(v, torch.SymInt)],
+                       [v.shape for v in placeholders if isinstance(v, torch.Tensor) and v.is_floating_point()]))
+        return compile_fx(gm, example_inputs)
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=recording_backend, **kw))
     torch._dynamo.reset()
     model = tiny_model("qwen2", num_hidden_layers=4)
     prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7]]
@@ -495,7 +509,14 @@ def test_compiled_layers_share_one_graph_and_decode_as_the_eager_forward():
         added.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
         runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
     assert runs[0] == runs[1]
-    assert added == [0, 1] and sum(engine.runner._compiles(s) for s in shapes) > 5
+    assert added == [0, 3] and len(graphs) == 3 and sum(engine.runner._compiles(s) for s in shapes) > 5
+    symbols, float_shapes = graphs[-1]
+    module_ints = [name for name in symbols if "_modules_" in name or name.startswith("l_self_")]
+    assert module_ints and all(name.endswith("layer_idx") for name in module_ints)  # not head_dim & co.
+    hidden, head_dim = model.config.hidden_size, model.config.hidden_size // model.config.num_attention_heads
+    feature_dims = [shape[-1] for shape in float_shapes if len(shape) == 3]  # hidden states, rotary tables
+    assert hidden in feature_dims and head_dim in feature_dims  # static ints, not symbols
+    assert all(isinstance(d, int) for d in feature_dims)
     assert [layer for layer, _ in engine.runner.compiled_layers] == list(model.model.layers)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
     with pytest.raises(NotImplementedError, match="no list of decoder layers"):
