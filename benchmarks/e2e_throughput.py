@@ -626,6 +626,7 @@ def main() -> None:
                 if pages.startswith("1/"):
                     pages = pool_for_a_fraction(model, prompts, n, 1 / int(pages[2:]), config)
                 config = dataclasses.replace(config, num_pages=int(pages))
+            warm_seconds = None
             with run_settings(run):
                 if args.warm:  # like HF static: the same batch shape once before timing (Triton specialisations,
                     # dynamo's compilation with compile_forward); graphs are per call and are captured again
@@ -633,12 +634,14 @@ def main() -> None:
                     for warm_config, tokens in warm_configs(config, prompts, min(48, n)):
                         short = GenerationConfig(**{**settings, "max_new_tokens": tokens, "min_new_tokens": tokens})
                         hf_sparsespec.generate_batch(model, prompts, short, warm_config)
-                    print(f"{run}: warm-up on the same shape {time.perf_counter() - started:.1f} s", flush=True)
+                    warm_seconds = time.perf_counter() - started  # with compile_forward: mostly the compilation
+                    print(f"{run}: warm-up on the same shape {warm_seconds:.1f} s", flush=True)
                 # the AR mode (no drafts) scores nothing: its rows are plain steps
                 scored = config.selection in SCORED_SELECTIONS and config.num_draft_tokens > 0
                 graphs_before = dynamo_graphs()
                 result = run_ours(model, prompts, gen_config, config, pillar=scored, roofline=roofline)
                 result["dynamo_graphs_compiled"] = dynamo_graphs() - graphs_before  # in the timed run: > 0 is a stall
+                result["warm_seconds"] = warm_seconds
             outputs[label] = result.pop("outputs"), set(result["offloaded"])
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:

@@ -290,14 +290,14 @@ def test_the_op_counter_sees_the_drafting_steps_extra_work(capsys, monkeypatch):
 
 def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tmp_path):
     """e2e_throughput.py on CPU (tiny random weights, no graphs): one JSON per shape with every run's
-    per-iteration series of equal length; without graphs nothing is padded, and a drafting run computes
-    more tokens per iteration than its rows (its verifications' k + 1 tokens)."""
+    per-iteration series of equal length and its warm-up's seconds; without graphs nothing is padded, and a
+    drafting run computes more tokens per iteration than its rows (its verifications' k + 1 tokens)."""
     import json
     import subprocess
 
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     command = [sys.executable, "e2e_throughput.py", "--random", "tiny", "--device", "cpu", "--batch", "4",
-               "--new-tokens", "12", "--runs", "ar,pillar", "--roofline", "h200", "--no-warm", "--out", str(tmp_path)]  # fmt: skip
+               "--new-tokens", "12", "--runs", "ar,pillar", "--roofline", "h200", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, cwd=benchmarks, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     runs = json.loads((tmp_path / "e2e_throughput_4x12.json").read_text())["runs"]
@@ -307,6 +307,7 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
         assert len({len(s) for s in series}) == 1 and len(series[0]) == run["iterations"], name
         assert run["iteration_padded_tokens"] == run["iteration_tokens"]  # eager: every shape is exact
         assert run["padding_share"] == 0.0
+        assert run["warm_seconds"] > 0  # each run warmed on its shape first, and the JSON keeps how long
         assert all(tokens >= rows for tokens, rows in zip(run["iteration_tokens"], run["iteration_rows"]))
     assert max(t - r for t, r in zip(runs["pillar"]["iteration_tokens"], runs["pillar"]["iteration_rows"])) >= 8
     assert "| padded tokens |" in done.stdout
