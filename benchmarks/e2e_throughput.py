@@ -229,14 +229,17 @@ def run_fields(run: str, args) -> dict:
     `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail` `plain_tail_rows`
     (in that order: `pillar_tail_k16_refresh2_from2048_local16_minbudget80`), and before all of them
     `<run>_scoreafter` `score_after_forward=True` and `<run>_scoreinline` `False` (each layer scored inside the
-    forward; None, the default, otherwise); `MODULE_SUFFIXES` and then `_unfused`, last,
+    forward; None, the default, otherwise), and before that `<run>_packed` `pack_projections=True` (a
+    compiled run's sibling projections in one GEMM: `ar_compiled_packed`, `..._refresh2_scoreinline_packed`); `MODULE_SUFFIXES` and then `_unfused`, last,
     change no field (see `run_settings`)."""
     run, _ = split_module_settings(run)
     fields = {}
+    if run.endswith("_packed"):
+        run, fields = run.removesuffix("_packed"), dict(pack_projections=True)
     if run.endswith("_scoreafter"):
-        run, fields = run.removesuffix("_scoreafter"), dict(score_after_forward=True)
+        run, fields = run.removesuffix("_scoreafter"), fields | dict(score_after_forward=True)
     elif run.endswith("_scoreinline"):
-        run, fields = run.removesuffix("_scoreinline"), dict(score_after_forward=False)
+        run, fields = run.removesuffix("_scoreinline"), fields | dict(score_after_forward=False)
     base, _, budget = run.rpartition("_minbudget")
     if base and budget.isdigit():
         run, fields = base, fields | dict(min_budget=int(budget))

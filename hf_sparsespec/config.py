@@ -179,6 +179,13 @@ class SparseSpecConfig:
             (docs/measurements.md 31). Outputs are unchanged (the scores are the same). None (the
             default): on, unless `overlap_scoring` is set or the model's layers attend with different
             scales (then each layer scores itself); True: on, and such a model is an error; False: off.
+        pack_projections: with `compile_forward`, pack each layer's sibling projections (`q_proj`,
+            `k_proj`, `v_proj`; `gate_proj`, `up_proj`) into one weight for the duration of a
+            `generate` call, and let the compiled forward run one GEMM per group instead of two or
+            three (`hf_sparsespec/packed_projections.py`): fewer latency-bound launches where an
+            iteration has few rows. The model's parameters get storages of their own again when the
+            call returns. The same tokens as without (tested on the CPU); the speed is not measured on a
+            GPU yet (docs/measurements.md 32), so off by default.
     """
 
     num_draft_tokens: int = 8
@@ -208,6 +215,7 @@ class SparseSpecConfig:
     min_draft_context: int = 0
     local_window: int = 0
     score_after_forward: bool | None = None
+    pack_projections: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 64)
@@ -267,7 +275,7 @@ class SparseSpecConfig:
                 f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
             )
-        for name in ("cuda_graphs", "overlap_scoring"):
+        for name in ("cuda_graphs", "overlap_scoring", "pack_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseSpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.compile_forward, bool) and self.compile_forward != "layers":
@@ -275,6 +283,11 @@ class SparseSpecConfig:
         if self.score_after_forward is not None and not isinstance(self.score_after_forward, bool):
             raise ValueError(
                 f"SparseSpecConfig.score_after_forward must be a bool or None (automatic), got {self.score_after_forward!r}"
+            )
+        if self.pack_projections and not self.compile_forward:
+            raise ValueError(
+                "SparseSpecConfig.pack_projections fuses the packed projections in the compiled forward only: "
+                "set compile_forward=True (or 'layers') as well"
             )
         if self.overlap_scoring and self.score_after_forward:
             raise ValueError(

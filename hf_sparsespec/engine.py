@@ -15,6 +15,7 @@ runs t (a verifying request sits that one iteration out).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections import deque
@@ -30,6 +31,7 @@ from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCOR
 from hf_sparsespec.kernels.attention_plan import MAX_BLOCK_M, PlanCapacity, target_items
 from hf_sparsespec.kernels.backend import get_backend
 from hf_sparsespec.kv_manager import KVManager
+from hf_sparsespec.packed_projections import packed_projections
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.runner import ModelRunner, PendingResults
 from hf_sparsespec.sampling import LogitsPipeline
@@ -141,7 +143,7 @@ class Engine:
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
             compile_forward=config.compile_forward, tp_group=tp_group, overlap_scoring=config.overlap_scoring,
             score_after_forward=config.score_after_forward,
-            compiles_plain_shapes=config.min_draft_context > 0,
+            compiles_plain_shapes=config.min_draft_context > 0, pack_projections=config.pack_projections,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 
@@ -209,7 +211,8 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        with use_attention(self.model, ATTENTION_NAME), torch.no_grad():
+        packing = packed_projections(self.model) if self.config.pack_projections else contextlib.nullcontext()
+        with use_attention(self.model, ATTENTION_NAME), torch.no_grad(), packing:
             while self.scheduler.has_work or self.pending:
                 self.step()
         self.cache.host.synchronize()

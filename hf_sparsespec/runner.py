@@ -24,8 +24,10 @@ Buffers owned here (the last row of every per-slot buffer is the dummy slot that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCOR
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.ops import ScoringAside, scoring_stream
+from hf_sparsespec.packed_projections import FuseSiblingLinears, call_packed
 from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
 
@@ -99,7 +102,7 @@ class ModelRunner:
                  group: int, selection: str, num_sink_tokens: int, use_graphs: bool, cache_kwarg: str,
                  logits_to_keep: bool, max_context: int, compile_forward: bool | str = False,
                  tp_group=None, overlap_scoring: bool = False, compiles_plain_shapes: bool = False,
-                 score_after_forward: bool | None = None) -> None:  # fmt: skip
+                 score_after_forward: bool | None = None, pack_projections: bool = False) -> None:  # fmt: skip
         self.model, self.cache, self.backend, self.pipeline = model, cache, backend, pipeline
         self.do_sample, self.k, self.num_slots, self.selection = do_sample, k, num_slots, selection
         self.num_sink_tokens, self.group = num_sink_tokens, group
@@ -181,23 +184,31 @@ class ModelRunner:
         # padded decode iterations may run the forward compiled (the attention ops as custom ops); the
         # iterations' sizes vary independently, so equal sizes must not share a symbol (duck shaping)
         self.compiled_forward = None
+        self.fuse_projections = None
         self.compiled_layers: list[tuple[torch.nn.Module, object]] = []
         self.compiles_plain_shapes = compiles_plain_shapes or k == 0
         if compile_forward:
             import torch.fx.experimental._config as fx_config
 
             fx_config.use_duck_shape = False
+            # with the sibling projections packed (the engine packs them around the run), the compiled
+            # graphs fuse them and live under `call_packed`'s code (packed_projections.py's invariant)
+            self.fuse_projections = FuseSiblingLinears() if pack_projections else None
+
+            def through(function):
+                return functools.partial(call_packed, function) if pack_projections else function
+
             if compile_forward == "layers":  # one graph for every decoder layer: the layer index symbolic
                 # automatic dynamic shapes (dynamic=None), not dynamic=True: a layer's inputs (hidden states,
                 # rotary tables) would get every dimension symbolic, and the modules' ints (`head_dim`, made
                 # unspecialisable for `layer_idx`) too, so the elementwise kernels would index with divisions
                 # by runtime head sizes. Compiled static first, a layer recompiles once for the index (it
                 # changes from layer to layer) and once for the iteration's sizes (buckets): ~3 graphs.
-                self.compiled_layers = [(layer, torch.compile(layer._call_impl, dynamic=None))
+                self.compiled_layers = [(layer, torch.compile(through(layer._call_impl), dynamic=None))
                                         for layer in decoder_layers(model)]  # fmt: skip
                 self.compiled_forward = self._model_logits_compiled_layers
             else:
-                self.compiled_forward = torch.compile(self._model_logits, dynamic=True)
+                self.compiled_forward = torch.compile(through(self._model_logits), dynamic=True)
         self.counters = RunnerCounters()
         self.time_iterations = False
 
@@ -545,9 +556,11 @@ class ModelRunner:
 
     def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         forward = self.compiled_forward if step.compiled else self._model_logits
+        fusing = step.compiled and self.fuse_projections is not None  # read when a compilation runs
         self.cache.active_step = step
         try:
-            logits = forward(input_ids, position_ids, logits_index, step)
+            with torch._inductor.config.patch(pre_grad_custom_pass=self.fuse_projections) if fusing else nullcontext():
+                logits = forward(input_ids, position_ids, logits_index, step)
         finally:
             self.cache.active_step = None
         if not self.checked_attention:

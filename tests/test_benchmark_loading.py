@@ -92,6 +92,11 @@ def test_run_names_map_to_config_fields():
         selection="induction_diagonal", compile_forward="layers", selection_refresh_interval=2)
     assert run_fields("induction_diagonal_compiled_refresh2_scoreinline", args) == dict(
         selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, score_after_forward=False)
+    assert run_fields("induction_diagonal_compiled_refresh2_scoreinline_packed", args) == dict(
+        selection="induction_diagonal", compile_forward=True, selection_refresh_interval=2, score_after_forward=False,
+        pack_projections=True)
+    assert run_fields("ar_compiledlayers_packed", args) == dict(num_draft_tokens=0, compile_forward="layers",
+                                                                pack_projections=True)  # fmt: skip
     assert run_fields("induction_diagonal_compiled_k16_refresh2_from2048", args) == dict(
         selection="induction_diagonal", compile_forward=True, num_draft_tokens=16, selection_refresh_interval=2,
         min_draft_context=2048)

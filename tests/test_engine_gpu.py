@@ -117,16 +117,18 @@ def test_temperature_only_sampling_fuses_the_softmax(k, min_new_tokens, runners,
     assert all(r.counters.graph_replays > 0 for r in runners)
 
 
+@pytest.mark.parametrize("pack_projections", [False, True], ids=["", "packed"])
 @pytest.mark.parametrize("compile_forward", [True, "layers"], ids=["whole", "layers"])
 @pytest.mark.parametrize("k", [0, 4, 16])
-def test_compiled_forward_with_graphs_equals_plain_generate(k, compile_forward, runners):
-    """`compile_forward` on the GPU (the whole forward, or one graph shared by the decoder layers):
-    inductor's kernels inside the captured iterations; float32, so greedy must match plain `generate`
-    token for token (ties aside)."""
+def test_compiled_forward_with_graphs_equals_plain_generate(k, compile_forward, pack_projections, runners):
+    """`compile_forward` on the GPU (the whole forward, or one graph shared by the decoder layers; the
+    sibling projections packed into one GEMM or not): inductor's kernels inside the captured iterations;
+    float32, so greedy must match plain `generate` token for token (ties aside)."""
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
-    config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4, compile_forward=compile_forward)
+    config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4, compile_forward=compile_forward,
+                              pack_projections=pack_projections)  # fmt: skip
     compiled = _generate(model, ids, mask, config, do_sample=False)
     assert_greedy_equal(model, expected, compiled.sequences, mask)
     (runner,) = runners
