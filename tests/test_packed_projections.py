@@ -83,13 +83,14 @@ def test_the_pass_fuses_packed_siblings_only(fused_runs):
 
 @pytest.mark.parametrize("compile_forward", [True, "layers"], ids=["whole", "layers"])
 def test_compiled_forward_with_packed_projections_decodes_the_eager_tokens(compile_forward, fused_runs):
-    """Greedy: eager, then compiled with packed projections, then compiled without (in that order, one
-    process): the same tokens and acceptance; the packed run fused every layer's groups, the unpacked
-    one nothing, and it compiled graphs of its own rather than replaying the fused ones."""
+    """Greedy: eager, then compiled with packed projections, then compiled without, then packed again
+    (in that order, one process): the same tokens and acceptance; the packed run fused every layer's
+    groups, the unpacked one nothing, and it compiled graphs of its own rather than replaying the fused
+    ones; the second packed run, on new buffers of the same layout, replays the first's graphs."""
     torch._dynamo.reset()
     model = tiny_model("qwen2", num_hidden_layers=3)
     runs, graphs, fused = [], [], []
-    for mode, pack in ((False, False), (compile_forward, True), (compile_forward, False)):
+    for mode, pack in ((False, False), (compile_forward, True), (compile_forward, False), (compile_forward, True)):
         config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=mode,
                                   pack_projections=pack, selection="induction_diagonal", backend="torch")  # fmt: skip
         before, runs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"], len(fused_runs)
@@ -97,8 +98,8 @@ def test_compiled_forward_with_packed_projections_decodes_the_eager_tokens(compi
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
         fused.append(fused_runs[runs_before:])
         runs.append([(r.generated, r.stats.accepted_histogram) for r in requests])
-    assert runs[0] == runs[1] == runs[2]
-    assert fused[0] == [] and fused[2] == []
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+    assert fused[0] == [] and fused[2] == [] and fused[3] == [] and graphs[3] == 0
     assert set(fused[1]) == {2, 3} and fused[1].count(2) == fused[1].count(3)  # each graph: every q, k, v; gate, up
     assert graphs[1] > 0 and graphs[2] > 0
     q, k = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
