@@ -543,12 +543,17 @@ class ModelRunner:
     def _model_logits_compiled_layers(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         """`_model_logits` with each decoder layer called through its compiled call (`compile_forward=
         "layers"`), for this forward only: the layers' `layer_idx` stays a symbolic integer (the ops take
-        whole stores and the index), so all layers share one graph and compile once."""
+        whole stores and the index), so all layers share one graph (~3 compilations, see __init__).
+
+        Every layer of every model compiled this way shares one code object (`Module._call_impl`), and
+        dynamo keeps a code object's graphs together up to `recompile_limit` (8), then runs it eagerly:
+        six configs of one tiny model in one process made 8 graphs (each new config adds 1-2 until its
+        sizes are symbolic), so the limit is raised for these calls."""
         saved = [layer._compiled_call_impl for layer, _ in self.compiled_layers]
         for layer, compiled in self.compiled_layers:
             layer._compiled_call_impl = compiled
         try:
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=LAYER_GRAPHS_LIMIT):
                 return self._model_logits(input_ids, position_ids, logits_index, step)
         finally:
             for (layer, _), previous in zip(self.compiled_layers, saved):
@@ -575,6 +580,9 @@ class ModelRunner:
         if not self.logits_to_keep:
             logits = logits[logits_index]
         return logits  # [num_logits, vocab], the model's dtype
+
+
+LAYER_GRAPHS_LIMIT = 64  # dynamo graphs of the shared layer call (`_model_logits_compiled_layers`)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
