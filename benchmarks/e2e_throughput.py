@@ -230,8 +230,8 @@ def run_fields(run: str, args) -> dict:
     (in that order: `pillar_tail_k16_refresh2_from2048_local16_minbudget80`), and before all of them
     `<run>_scoreafter` `score_after_forward=True` and `<run>_scoreinline` `False` (each layer scored inside the
     forward; None, the default, otherwise), and before that `<run>_packed` `pack_projections=True` (a
-    compiled run's sibling projections in one GEMM: `ar_compiled_packed`, `..._refresh2_scoreinline_packed`); `MODULE_SUFFIXES` and then `_unfused`, last,
-    change no field (see `run_settings`)."""
+    compiled run's sibling projections in one GEMM: `ar_compiled_packed`, `..._refresh2_scoreinline_packed`);
+    `MODULE_SUFFIXES` and then `_unfused`, last, change no field (see `run_settings`)."""
     run, _ = split_module_settings(run)
     fields = {}
     if run.endswith("_packed"):

@@ -98,13 +98,14 @@ class FuseSiblingLinears(CustomGraphPass):
     """The pre-grad pass (see the module docstring): `torch._inductor.config.pre_grad_custom_pass`."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        by_input = defaultdict(list)
+        by_input = defaultdict(list)  # input node -> its linears, in graph order
         for node in graph.nodes:
-            if node.op == "call_function" and node.target in _LINEARS and _linear_args(node) is not None:
-                by_input[_linear_args(node)[0]].append(node)
+            args = _linear_args(node) if node.op == "call_function" and node.target in _LINEARS else None
+            if args is not None:
+                by_input[args[0]].append(node)
         for nodes in by_input.values():
             for run in _adjacent_runs(nodes):
-                _fuse(graph, run)
+                _fuse(graph, run, earliest=next(node for node in nodes if node in run))
 
     def uuid(self) -> bytes:
         return hashlib.sha256(Path(__file__).read_bytes()).digest()
@@ -137,7 +138,7 @@ def _adjacent_runs(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     runs = []
     for storage in {key[0] for key in keyed}:
         members = sorted((k for k in keyed if k[0] == storage), key=lambda k: k[1])
-        run = [members[0]] if members else []
+        run = [members[0]]
         for previous, current in zip(members, members[1:]):
             if _follows(previous, current):
                 run.append(current)
@@ -161,12 +162,12 @@ def _follows(previous, current) -> bool:
     )  # fmt: skip
 
 
-def _fuse(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
-    """One linear over the run's strided span and a split, in place of the run's linears."""
+def _fuse(graph: torch.fx.Graph, run: list[torch.fx.Node], earliest: torch.fx.Node) -> None:
+    """One linear over the run's strided span (`run` in storage order) and a split, in place of the
+    run's linears, inserted before the first of them in the graph (`earliest`)."""
     x, first_weight, first_bias = _linear_args(run[0])
     sizes = [_example(_linear_args(node)[1]).shape[0] for node in run]
     rows, features = sum(sizes), _example(first_weight).shape[1]
-    earliest = min(run, key=lambda node: list(graph.nodes).index(node))
     with graph.inserting_before(earliest):
         weight = graph.call_function(torch.as_strided, (first_weight, (rows, features), (features, 1)))
         bias = graph.call_function(torch.as_strided, (first_bias, (rows,), (1,))) if first_bias is not None else None

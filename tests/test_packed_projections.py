@@ -23,7 +23,7 @@ def fused_runs(monkeypatch):
     """The sizes of the runs of linears the pass fuses, in order (no compiled graph from a cache: a hit
     skips the pre-grad passes)."""
     runs, fuse = [], pp._fuse
-    monkeypatch.setattr(pp, "_fuse", lambda graph, run: (runs.append(len(run)), fuse(graph, run))[1])
+    monkeypatch.setattr(pp, "_fuse", lambda graph, run, **kw: (runs.append(len(run)), fuse(graph, run, **kw))[1])
     with torch._inductor.config.patch(force_disable_caches=True):
         yield runs
 
