@@ -538,8 +538,98 @@ def run_hf_static(model, prompts, batch: int, pad: int, device, settings: dict, 
             "wall_ms_per_iter": 1000 * seconds / iterations}  # fmt: skip
 
 
+def ar_baseline(label: str, runs: dict) -> str | None:
+    """The AR run a run of the report is compared with: the first AR run (no drafts) whose forward is the
+    run's (`compile_forward`, `pack_projections`), else the first AR run, else None. So in one process
+    `..._packed` compares with `ar_compiled_packed` and the others with `ar_compiled`."""
+
+    def fields(name: str) -> dict | None:
+        try:
+            return run_fields(name.split("+")[0], None)  # a label may carry its KV policy (`run+policy`)
+        except KeyError:  # hf_static
+            return None
+
+    def forward(f: dict) -> tuple:
+        return bool(f.get("compile_forward", False)), f.get("compile_forward") == "layers", f.get("pack_projections", False)
+
+    ar_runs = [name for name in runs if (f := fields(name)) is not None and f.get("num_draft_tokens") == 0]
+    own = fields(label)
+    same = [name for name in ar_runs if own is not None and forward(fields(name)) == forward(own)]
+    return (same or ar_runs or [None])[0]
+
+
+def print_tables(report: dict) -> None:
+    """The throughput table (and the KV table of runs that have one) of a report, from its JSON alone:
+    `python e2e_throughput.py --table-from e2e_throughput_64x8192.json` prints a saved run's again."""
+    meta, runs = report["meta"], report["runs"]
+    args, roofline = meta["args"], meta["roofline"]  # the arguments as strings
+    hf = runs.get("hf_static", {}).get("tokens_per_s")
+    dtype = meta.get("dtype") or (args["dtype"] if args["dtype"] != "None" else  # reports before the field
+                                  "bfloat16" if args["device"] == "cuda" else "float32")  # fmt: skip
+    greedy = args["greedy"] == "True"
+    decoding = "greedy" if greedy else f"T={args['temperature']}"
+    if not greedy and (args["top_k"] != "0" or float(args["top_p"]) < 1.0):
+        decoding += f", top-k {args['top_k'] if args['top_k'] != '0' else 'off'}, top-p {args['top_p']}"
+    print(f"\n{meta['model']}, batch {args['batch']} x {args['new_tokens']} new tokens ({args['stop']}), "
+          f"{dtype}, {decoding}, k=8, budget_ratio 0.05, min_budget {args['min_budget']}; "
+          f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
+          f"ideal at {roofline['hbm_bytes_per_s'] / 1e12:.2f} TB/s and {roofline['bf16_flops_per_s'] / 1e12:.0f} "
+          f"TFLOP/s ({roofline['source']})")  # fmt: skip
+    print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
+          "(decode) | ideal ms/iter | GPU / ideal | ideal tok/s (vs AR's) | wall / GPU | graphs (replays / eager) | "
+          "padded tokens | s to first replay | tok/s while the batch is full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(x, base):
+        return f"{x / base:.2f}x" if base else "-"
+
+    def num(r, key, fmt=".2f"):
+        return format(r[key], fmt) if key in r else "-"
+
+    for run, r in runs.items():
+        ar_run = runs.get(ar_baseline(run, runs), {})
+        ar, ar_ideal = ar_run.get("tokens_per_s"), ar_run.get("ideal_tokens_per_s")
+        gpu = r.get("gpu_ms_per_iter_decode")
+        gpu = gpu if gpu == gpu else None  # NaN: not measured (CPU)
+        wall_over_gpu = f"{r['wall_ms_per_iter'] / r['gpu_ms_per_iter']:.2f}" if "gpu_ms_per_iter" in r else "-"
+        gpu_over_ideal = f"{gpu / r['ideal_ms_per_iter']:.2f}" if gpu else "-"
+        graphs = f"{r['graphs_captured']} ({r['graph_replays']} / {r['eager_iterations']})" if "graphs_captured" in r else "-"
+        padding = f"+{100 * r['padding_share']:.1f} %" if "padding_share" in r else "-"
+        ideal_rate = "-"
+        if "ideal_tokens_per_s" in r:
+            ideal_rate = f"{r['ideal_tokens_per_s']:.0f} ({ratio(r['ideal_tokens_per_s'], ar_ideal)})"
+        print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
+              f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
+              f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
+              f"{gpu_over_ideal} | {ideal_rate} | {wall_over_gpu} | {graphs} | {padding} | "
+              f"{num(r, 'seconds_to_first_replay', '.1f')} | "
+              f"{num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
+
+    kv_runs = {run: r for run, r in runs.items() if "kv" in r}
+    if kv_runs:
+        print("\n| run | policy | pages (peak / pool) | offloads (requests, forced) | offloaded GiB | restores | "
+              "restored GiB | request-s on host | copy / no-copy iteration | outputs = first policy (never "
+            "offloaded / offloaded; median first difference) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for run, r in kv_runs.items():
+            kv, slowdown = r["kv"], r.get("copy_slowdown")
+            print(f"| {run} | {kv['policy']} | {kv['peak_pages_used']} / {kv['num_pages']} | {kv['offloads']} "
+                  f"({kv['requests_offloaded']}, {kv['forced_offloads']}) | {kv['offloaded_bytes'] / 2**30:.2f} | "
+                  f"{kv['restores']} | {kv['restored_bytes'] / 2**30:.2f} | {kv['offloaded_seconds']:.1f} | "
+                  f"{'-' if slowdown is None else f'{slowdown:.2f}x'} | {equal_outputs(r)} |")
+
+
+
 def main() -> None:
+    table_from = argparse.ArgumentParser(add_help=False)
+    table_from.add_argument("--table-from", type=Path)
+    saved = table_from.parse_known_args()[0].table_from
+    if saved is not None:  # no model: the tables of a saved report
+        print_tables(json.loads(saved.read_text()))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table-from", type=Path, metavar="JSON",
+                        help="print the tables of a saved report (this script's JSON) and exit; no model")
     add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=256, help="requests decoding at once (max_num_requests)")
     parser.add_argument("--requests", type=int, default=None,
@@ -603,7 +693,7 @@ def main() -> None:
     print(f"roofline ({roofline.source}): {roofline.hbm_bytes_per_s / 1e12:.2f} TB/s, "
           f"{roofline.bf16_flops_per_s / 1e12:.0f} bf16 TFLOP/s", flush=True)
     report = {"meta": {
-        "model": name, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+        "model": name, "dtype": str(dtype)[6:], "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
         "transformers": transformers.__version__, "args": {k: str(v) for k, v in vars(args).items()},
         "roofline": dataclasses.asdict(roofline),
     }, "runs": {}}  # fmt: skip
@@ -659,60 +749,7 @@ def main() -> None:
             gc.collect()  # before the next run sizes its pool from free memory
             torch.cuda.empty_cache()
 
-    runs = report["runs"]
-    hf = runs.get("hf_static", {}).get("tokens_per_s")
-    ar = (runs.get("ar") or runs.get("ar_compiled") or {}).get("tokens_per_s")  # our AR mode, eager or compiled
-    decoding = "greedy" if args.greedy else f"T={args.temperature}"
-    if not args.greedy and (args.top_k or args.top_p < 1.0):
-        decoding += f", top-k {args.top_k or 'off'}, top-p {args.top_p}"
-    print(f"\n{name}, batch {args.batch} x {n} new tokens ({args.stop}), {str(dtype)[6:]}, {decoding}, "
-          f"k=8, budget_ratio 0.05, min_budget {args.min_budget}; {report['meta']['gpu']}, torch "
-          f"{torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; ideal at "
-          f"{roofline.hbm_bytes_per_s / 1e12:.2f} TB/s and {roofline.bf16_flops_per_s / 1e12:.0f} TFLOP/s "
-          f"({roofline.source})")  # fmt: skip
-    print("| run | tok/s | vs HF static | vs our AR | accepted/cycle | iterations | wall ms/iter | GPU ms/iter "
-          "(decode) | ideal ms/iter | GPU / ideal | ideal tok/s (vs AR's) | wall / GPU | graphs (replays / eager) | "
-          "padded tokens | s to first replay | tok/s while the batch is full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ar_run = runs.get("ar") or runs.get("ar_compiled") or {}
-    ar_ideal = ar_run.get("ideal_tokens_per_s")
-
-    def ratio(x, base):
-        return f"{x / base:.2f}x" if base else "-"
-
-    def num(r, key, fmt=".2f"):
-        return format(r[key], fmt) if key in r else "-"
-
-    for run, r in runs.items():
-        gpu = r.get("gpu_ms_per_iter_decode")
-        gpu = gpu if gpu == gpu else None  # NaN: not measured (CPU)
-        wall_over_gpu = f"{r['wall_ms_per_iter'] / r['gpu_ms_per_iter']:.2f}" if "gpu_ms_per_iter" in r else "-"
-        gpu_over_ideal = f"{gpu / r['ideal_ms_per_iter']:.2f}" if gpu else "-"
-        graphs = f"{r['graphs_captured']} ({r['graph_replays']} / {r['eager_iterations']})" if "graphs_captured" in r else "-"
-        padding = f"+{100 * r['padding_share']:.1f} %" if "padding_share" in r else "-"
-        ideal_rate = "-"
-        if "ideal_tokens_per_s" in r:
-            ideal_rate = f"{r['ideal_tokens_per_s']:.0f} ({ratio(r['ideal_tokens_per_s'], ar_ideal)})"
-        print(f"| {run} | {r['tokens_per_s']:.0f} | {ratio(r['tokens_per_s'], hf)} | {ratio(r['tokens_per_s'], ar)} | "
-              f"{num(r, 'mean_accepted')} | {r['iterations']} | {r['wall_ms_per_iter']:.2f} | "
-              f"{num(r, 'gpu_ms_per_iter')} ({num(r, 'gpu_ms_per_iter_decode')}) | {num(r, 'ideal_ms_per_iter')} | "
-              f"{gpu_over_ideal} | {ideal_rate} | {wall_over_gpu} | {graphs} | {padding} | "
-              f"{num(r, 'seconds_to_first_replay', '.1f')} | "
-              f"{num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
-
-    kv_runs = {run: r for run, r in runs.items() if "kv" in r}
-    if kv_runs:
-        print("\n| run | policy | pages (peak / pool) | offloads (requests, forced) | offloaded GiB | restores | "
-              "restored GiB | request-s on host | copy / no-copy iteration | outputs = first policy (never "
-            "offloaded / offloaded; median first difference) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for run, r in kv_runs.items():
-            kv, slowdown = r["kv"], r.get("copy_slowdown")
-            print(f"| {run} | {kv['policy']} | {kv['peak_pages_used']} / {kv['num_pages']} | {kv['offloads']} "
-                  f"({kv['requests_offloaded']}, {kv['forced_offloads']}) | {kv['offloaded_bytes'] / 2**30:.2f} | "
-                  f"{kv['restores']} | {kv['restored_bytes'] / 2**30:.2f} | {kv['offloaded_seconds']:.1f} | "
-                  f"{'-' if slowdown is None else f'{slowdown:.2f}x'} | {equal_outputs(r)} |")
-
+    print_tables(report)
 
 if __name__ == "__main__":
     main()

@@ -327,3 +327,27 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
             rows.setdefault(line.split(" | ")[0].strip("| "), line)
     assert f"{runs['ar']['ideal_tokens_per_s']:.0f} (1.00x)" in rows["ar"]
     assert f"{runs['pillar']['ideal_tokens_per_s']:.0f} ({bound:.2f}x)" in rows["pillar"]
+    # the same tables again from the saved JSON alone (no model)
+    again = subprocess.run([sys.executable, "e2e_throughput.py", "--table-from", str(tmp_path / "e2e_throughput_4x12.json")],
+                           cwd=benchmarks, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    tables = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert tables and [line for line in again.stdout.splitlines() if line.startswith("| ")] == tables
+
+
+def test_each_run_is_compared_with_the_autoregressive_run_of_its_forward():
+    """The table's "vs our AR": a packed run against the packed AR run of the same process, a layered
+    one against the layered AR run, the others against the first AR run; no AR run, no ratio."""
+    from e2e_throughput import ar_baseline
+
+    names = ["hf_static", "ar_compiled", "induction_diagonal_compiled_refresh4", "ar_compiled_packed",
+             "induction_diagonal_compiled_refresh4_packed", "ar_compiledlayers", "induction_diagonal_compiledlayers",
+             "pillar", "ar+reserve"]  # fmt: skip
+    runs = dict.fromkeys(names, {})
+    assert ar_baseline("induction_diagonal_compiled_refresh4", runs) == "ar_compiled"
+    assert ar_baseline("induction_diagonal_compiled_refresh4_packed", runs) == "ar_compiled_packed"
+    assert ar_baseline("ar_compiled_packed", runs) == "ar_compiled_packed"
+    assert ar_baseline("induction_diagonal_compiledlayers", runs) == "ar_compiledlayers"
+    assert ar_baseline("pillar", runs) == "ar+reserve"  # the eager AR run (a label with its KV policy)
+    assert ar_baseline("hf_static", runs) == "ar_compiled"  # no forward of ours: the first AR run
+    assert ar_baseline("pillar", {"pillar": {}, "hf_static": {}}) is None
