@@ -229,13 +229,16 @@ def run_fields(run: str, args) -> dict:
     `selection_refresh_interval=n`, `<run>_k<n>` `num_draft_tokens=n`, `<run>_tail` `plain_tail_rows`
     (in that order: `pillar_tail_k16_refresh2_from2048_local16_minbudget80`), and before all of them
     `<run>_scoreafter` `score_after_forward=True` and `<run>_scoreinline` `False` (each layer scored inside the
-    forward; None, the default, otherwise), and before that `<run>_packed` `pack_projections=True` (a
-    compiled run's sibling projections in one GEMM: `ar_compiled_packed`, `..._refresh2_scoreinline_packed`);
+    forward; None, the default, otherwise), and before that `<run>_packed` `pack_projections=True` and
+    `<run>_unpacked` `False` (a compiled run's sibling projections in one GEMM or not; None, the default, packs
+    them whenever the forward is compiled: `ar_compiled_unpacked`, `..._refresh2_scoreinline_packed`);
     `MODULE_SUFFIXES` and then `_unfused`, last, change no field (see `run_settings`)."""
     run, _ = split_module_settings(run)
     fields = {}
     if run.endswith("_packed"):
         run, fields = run.removesuffix("_packed"), dict(pack_projections=True)
+    elif run.endswith("_unpacked"):
+        run, fields = run.removesuffix("_unpacked"), dict(pack_projections=False)
     if run.endswith("_scoreafter"):
         run, fields = run.removesuffix("_scoreafter"), fields | dict(score_after_forward=True)
     elif run.endswith("_scoreinline"):
@@ -540,8 +543,8 @@ def run_hf_static(model, prompts, batch: int, pad: int, device, settings: dict, 
 
 def ar_baseline(label: str, runs: dict) -> str | None:
     """The AR run a run of the report is compared with: the first AR run (no drafts) whose forward is the
-    run's (`compile_forward`, `pack_projections`), else the first AR run, else None. So in one process
-    `..._packed` compares with `ar_compiled_packed` and the others with `ar_compiled`."""
+    run's (`compile_forward`, whether it packs the projections), else the first AR run, else None. So in
+    one process `..._unpacked` compares with `ar_compiled_unpacked` and the others with `ar_compiled`."""
 
     def fields(name: str) -> dict | None:
         try:
@@ -550,7 +553,9 @@ def ar_baseline(label: str, runs: dict) -> str | None:
             return None
 
     def forward(f: dict) -> tuple:
-        return bool(f.get("compile_forward", False)), f.get("compile_forward") == "layers", f.get("pack_projections", False)
+        compiled = f.get("compile_forward", False)
+        packs = f.get("pack_projections")
+        return bool(compiled), compiled == "layers", bool(compiled) if packs is None else packs
 
     ar_runs = [name for name in runs if (f := fields(name)) is not None and f.get("num_draft_tokens") == 0]
     own = fields(label)

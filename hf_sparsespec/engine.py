@@ -143,7 +143,7 @@ class Engine:
             logits_to_keep=supports_logits_to_keep(model), max_context=max(r.max_total_len for r in requests),
             compile_forward=config.compile_forward, tp_group=tp_group, overlap_scoring=config.overlap_scoring,
             score_after_forward=config.score_after_forward,
-            compiles_plain_shapes=config.min_draft_context > 0, pack_projections=config.pack_projections,
+            compiles_plain_shapes=config.min_draft_context > 0, pack_projections=config.packs_projections,
         )  # fmt: skip
         self.pending: deque[PendingResults] = deque()
 
@@ -211,7 +211,7 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        packing = packed_projections(self.model) if self.config.pack_projections else contextlib.nullcontext()
+        packing = packed_projections(self.model) if self.config.packs_projections else contextlib.nullcontext()
         with use_attention(self.model, ATTENTION_NAME), torch.no_grad(), packing:
             while self.scheduler.has_work or self.pending:
                 self.step()

@@ -97,6 +97,8 @@ def test_run_names_map_to_config_fields():
         pack_projections=True)
     assert run_fields("ar_compiledlayers_packed", args) == dict(num_draft_tokens=0, compile_forward="layers",
                                                                 pack_projections=True)  # fmt: skip
+    assert run_fields("ar_compiled_unpacked", args) == dict(num_draft_tokens=0, compile_forward=True,
+                                                            pack_projections=False)  # fmt: skip
     assert run_fields("induction_diagonal_compiled_k16_refresh2_from2048", args) == dict(
         selection="induction_diagonal", compile_forward=True, num_draft_tokens=16, selection_refresh_interval=2,
         min_draft_context=2048)
@@ -336,18 +338,20 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
 
 
 def test_each_run_is_compared_with_the_autoregressive_run_of_its_forward():
-    """The table's "vs our AR": a packed run against the packed AR run of the same process, a layered
-    one against the layered AR run, the others against the first AR run; no AR run, no ratio."""
+    """The table's "vs our AR": an unpacked run against the unpacked AR run of the same process, a packed
+    one (compiled, by default) against the packed AR run, a layered one against the layered AR run, the
+    others against the first AR run; no AR run, no ratio."""
     from e2e_throughput import ar_baseline
 
-    names = ["hf_static", "ar_compiled", "induction_diagonal_compiled_refresh4", "ar_compiled_packed",
-             "induction_diagonal_compiled_refresh4_packed", "ar_compiledlayers", "induction_diagonal_compiledlayers",
-             "pillar", "ar+reserve"]  # fmt: skip
+    names = ["hf_static", "ar_compiled_unpacked", "induction_diagonal_compiled_refresh4_unpacked", "ar_compiled",
+             "induction_diagonal_compiled_refresh4", "induction_diagonal_compiled_refresh4_packed", "ar_compiledlayers",
+             "induction_diagonal_compiledlayers", "pillar", "ar+reserve"]  # fmt: skip
     runs = dict.fromkeys(names, {})
-    assert ar_baseline("induction_diagonal_compiled_refresh4", runs) == "ar_compiled"
-    assert ar_baseline("induction_diagonal_compiled_refresh4_packed", runs) == "ar_compiled_packed"
-    assert ar_baseline("ar_compiled_packed", runs) == "ar_compiled_packed"
+    assert ar_baseline("induction_diagonal_compiled_refresh4_unpacked", runs) == "ar_compiled_unpacked"
+    assert ar_baseline("induction_diagonal_compiled_refresh4", runs) == "ar_compiled"  # packed by default
+    assert ar_baseline("induction_diagonal_compiled_refresh4_packed", runs) == "ar_compiled"
+    assert ar_baseline("ar_compiled", runs) == "ar_compiled"
     assert ar_baseline("induction_diagonal_compiledlayers", runs) == "ar_compiledlayers"
     assert ar_baseline("pillar", runs) == "ar+reserve"  # the eager AR run (a label with its KV policy)
-    assert ar_baseline("hf_static", runs) == "ar_compiled"  # no forward of ours: the first AR run
+    assert ar_baseline("hf_static", runs) == "ar_compiled_unpacked"  # no forward of ours: the first AR run
     assert ar_baseline("pillar", {"pillar": {}, "hf_static": {}}) is None

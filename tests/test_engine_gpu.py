@@ -117,7 +117,7 @@ def test_temperature_only_sampling_fuses_the_softmax(k, min_new_tokens, runners,
     assert all(r.counters.graph_replays > 0 for r in runners)
 
 
-@pytest.mark.parametrize("pack_projections", [False, True], ids=["", "packed"])
+@pytest.mark.parametrize("pack_projections", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("compile_forward", [True, "layers"], ids=["whole", "layers"])
 @pytest.mark.parametrize("k", [0, 4, 16])
 def test_compiled_forward_with_graphs_equals_plain_generate(k, compile_forward, pack_projections, runners):

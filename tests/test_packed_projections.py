@@ -90,7 +90,8 @@ def test_compiled_forward_with_packed_projections_decodes_the_eager_tokens(compi
     torch._dynamo.reset()
     model = tiny_model("qwen2", num_hidden_layers=3)
     runs, graphs, fused = [], [], []
-    for mode, pack in ((False, False), (compile_forward, True), (compile_forward, False), (compile_forward, True)):
+    # the default (None) packs exactly when the forward is compiled
+    for mode, pack in ((False, None), (compile_forward, None), (compile_forward, False), (compile_forward, True)):
         config = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, compile_forward=mode,
                                   pack_projections=pack, selection="induction_diagonal", backend="torch")  # fmt: skip
         before, runs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"], len(fused_runs)
@@ -109,5 +110,14 @@ def test_compiled_forward_with_packed_projections_decodes_the_eager_tokens(compi
 def test_pack_projections_needs_the_compiled_forward():
     with pytest.raises(ValueError, match="compile_forward=True"):
         SparseSpecConfig(pack_projections=True)
-    with pytest.raises(ValueError, match="pack_projections must be a bool"):
+    with pytest.raises(ValueError, match="pack_projections must be a bool or None"):
         SparseSpecConfig(pack_projections="yes", compile_forward=True)
+
+
+@pytest.mark.parametrize(("compile_forward", "pack", "packs"), [
+    (False, None, False), (True, None, True), ("layers", None, True), (True, False, False), (True, True, True),
+    ("layers", False, False), (False, False, False),
+])  # fmt: skip
+def test_the_default_packs_whenever_the_forward_is_compiled(compile_forward, pack, packs):
+    config = SparseSpecConfig(compile_forward=compile_forward, pack_projections=pack)
+    assert config.packs_projections is packs
