@@ -624,7 +624,6 @@ def print_tables(report: dict) -> None:
                   f"{'-' if slowdown is None else f'{slowdown:.2f}x'} | {equal_outputs(r)} |")
 
 
-
 def main() -> None:
     table_from = argparse.ArgumentParser(add_help=False)
     table_from.add_argument("--table-from", type=Path)

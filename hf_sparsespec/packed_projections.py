@@ -66,22 +66,26 @@ def _packable(linears: list[torch.nn.Linear]) -> bool:
 @contextlib.contextmanager
 def packed_projections(model: torch.nn.Module):
     """Pack every sibling group's weights and biases into one buffer each (see the module docstring);
-    yields the number of groups packed, and gives every parameter its own storage again on exit."""
+    yields the number of groups packed, and gives every packed parameter its own storage again on exit,
+    also when packing itself fails part-way (out of memory for a group's buffer: the error propagates
+    and the model is left as it was found)."""
     groups = sibling_groups(model)
     params = [[getattr(linear, name) for linear in group] for group in groups for name in ("weight", "bias")]
     params = [group for group in params if group[0] is not None]
-    with torch.no_grad():
-        for group in params:
-            packed = torch.cat([p.data for p in group])  # rows of the first, then the next, ...
-            start = 0
-            for p in group:
-                p.data = packed[start : start + p.shape[0]]
-                start += p.shape[0]
+    packed_groups = []
     try:
+        with torch.no_grad():
+            for group in params:
+                packed = torch.cat([p.data for p in group])  # rows of the first, then the next, ...
+                start = 0
+                for p in group:
+                    p.data = packed[start : start + p.shape[0]]
+                    start += p.shape[0]
+                packed_groups.append(group)
         yield len(groups)
     finally:
         with torch.no_grad():
-            for group in params:
+            for group in packed_groups:
                 for p in group:
                     p.data = p.data.clone()
 

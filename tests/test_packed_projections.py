@@ -53,6 +53,30 @@ def test_packing_makes_adjacent_views_and_restores_own_storages(arch):
     assert all(torch.equal(p, value) for p, value in zip(params, values))
 
 
+def test_a_packing_that_fails_part_way_leaves_the_model_as_it_was(monkeypatch):
+    """Out of memory for the third group's buffer: the error reaches the caller, and the two groups
+    packed before it get their own storages back, with their values."""
+    model = tiny_model("qwen2")
+    params = [p for group in pp.sibling_groups(model) for linear in group for p in (linear.weight, linear.bias)
+              if p is not None]  # fmt: skip
+    values = [p.detach().clone() for p in params]
+    cat, calls = torch.cat, []
+
+    def failing_cat(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", failing_cat)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"), pp.packed_projections(model):
+        pytest.fail("the body must not run when packing failed")
+    monkeypatch.setattr(torch, "cat", cat)
+    assert len(calls) == 3
+    assert len({_storage(p) for p in params}) == len(params)  # each its own storage again
+    assert all(torch.equal(p, value) for p, value in zip(params, values))
+
+
 def test_only_matching_siblings_are_packed():
     model = tiny_model("llama")
     model.model.layers[0].self_attn.v_proj.to(torch.float64)  # another dtype: not that layer's q, k, v
