@@ -132,16 +132,17 @@ def _example(node) -> torch.Tensor | None:
 def _adjacent_runs(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """Runs of >= 2 linears (of one input) whose weights follow each other in one storage, rows after
     rows, with biases that do too or are all None."""
-    keyed = []
+    by_storage = defaultdict(list)  # weight storage -> its linears' keys, in graph order
     for node in nodes:
         _, weight, bias = _linear_args(node)
         w, b = _example(weight), _example(bias)
         if w is None or w.ndim != 2 or not w.is_contiguous() or (bias is not None and (b is None or b.ndim != 1)):
             continue
-        keyed.append((StorageWeakRef(w.untyped_storage()), w.storage_offset(), node, w, b))
+        storage = StorageWeakRef(w.untyped_storage())
+        by_storage[storage].append((storage, w.storage_offset(), node, w, b))
     runs = []
-    for storage in {key[0] for key in keyed}:
-        members = sorted((k for k in keyed if k[0] == storage), key=lambda k: k[1])
+    for keyed in by_storage.values():
+        members = sorted(keyed, key=lambda k: k[1])
         run = [members[0]]
         for previous, current in zip(members, members[1:]):
             if _follows(previous, current):
