@@ -16,6 +16,7 @@ SELECTION_POLICIES = ("pillar", "diagonal", "induction", "induction_diagonal", "
 SCORED_SELECTIONS = ("pillar", "diagonal", "induction", "induction_diagonal")  # from the verifications' exact scores
 DIAGONAL_SELECTIONS = ("diagonal", "induction_diagonal")  # the verifications write moved keys
 INDUCTION_SELECTIONS = ("induction", "induction_diagonal")  # induction keys are looked up at every draft step
+DEFAULT_REFRESH_INTERVAL = 4  # `selection_refresh_interval=None` with a scored selection (docs/measurements.md 34)
 BACKENDS = ("auto", "torch", "triton")
 KV_POLICIES = ("dynamic", "reserve")
 
@@ -141,15 +142,18 @@ class SparseSpecConfig:
             14.09 against 13.46 ms (the copies, and a second stream competing for the SMs the GEMMs
             and the attention already fill; docs/measurements.md 17).
         selection_refresh_interval: verifications per selection refresh, for the scored selections.
-            1 (the paper, the default): every verification scores its old keys (the PillarAttn
-            scoring pass, a second read of the verification rows' keys) and selects the next cycle's
-            keys. n > 1: only every n-th verification of a request does; the cycles in between keep
-            the last refresh's selection (and moved-key offsets), and their drafts attend every key
-            from that refresh's verification block on as their recent window, so nothing committed
-            since is left out. Saves n - 1 of n scoring passes at the price of older selections.
-            Lossless (only acceptance changes). On Qwen2.5-Coder-1.5B with n = 2: 7.20 accepted of 8
-            against 7.31 (teacher-forced, 960 cycles, `"induction_diagonal"`), and an 8K-context
-            iteration at 256 rows 5.3 % shorter (docs/measurements.md 18); 1 until measured end to end.
+            1 (the paper): every verification scores its old keys (the PillarAttn scoring pass, a
+            second read of the verification rows' keys) and selects the next cycle's keys. n > 1:
+            only every n-th verification of a request does; the cycles in between keep the last
+            refresh's selection (and moved-key offsets), and their drafts attend every key from that
+            refresh's verification block on as their recent window, so nothing committed since is
+            left out. Saves n - 1 of n scoring passes at the price of older selections. Lossless
+            (only acceptance changes). None (the default): 4 for the scored selections, 1 (nothing
+            to refresh) for the others; `refresh_interval` resolves it. On the H100 (Qwen2.5-Coder-1.5B,
+            bf16, compiled forward, one process per shape, docs/measurements.md 34) 4 decoded 9.0 %
+            more tok/s than 1 at 256 x 8192, 4.7 % at 64 x 8192 and 3.1 % at 256 x 2048, for 7.70,
+            7.68 and 7.35 accepted of 8 against 7.76, 7.78 and 7.50; 8 won 2.1 % more at 256 x 8192
+            and lost at the other two.
         min_draft_context: the shortest context (prompt and generated tokens) a request drafts at;
             until its context reaches it, a request decodes with plain one-token steps (full
             attention, no drafts, no verification, as `num_draft_tokens=0`), then it joins the
@@ -216,7 +220,7 @@ class SparseSpecConfig:
     compile_forward: bool | Literal["layers"] = False
     plain_tail_rows: int = 0  # from here on last, so that positional arguments keep their meaning
     overlap_scoring: bool = False
-    selection_refresh_interval: int = 1
+    selection_refresh_interval: int | None = None
     min_draft_context: int = 0
     local_window: int = 0
     score_after_forward: bool | None = None
@@ -267,7 +271,8 @@ class SparseSpecConfig:
             _check_int("host_pool_bytes", self.host_pool_bytes, 0)
         _check_int("offload_chunk_tokens", self.offload_chunk_tokens, 1)
         _check_choice("backend", self.backend, BACKENDS)
-        _check_int("selection_refresh_interval", self.selection_refresh_interval, 1, 64)
+        if self.selection_refresh_interval is not None:
+            _check_int("selection_refresh_interval", self.selection_refresh_interval, 1, 64)
         _check_int("min_draft_context", self.min_draft_context, 0)
         _check_int("local_window", self.local_window, 0)
         if self.local_window > 0 and self.selection not in SCORED_SELECTIONS:
@@ -275,7 +280,7 @@ class SparseSpecConfig:
                 f"SparseSpecConfig.local_window > 0 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
             )
-        if self.selection_refresh_interval > 1 and self.selection not in SCORED_SELECTIONS:
+        if (self.selection_refresh_interval or 1) > 1 and self.selection not in SCORED_SELECTIONS:
             raise ValueError(
                 f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
@@ -303,6 +308,14 @@ class SparseSpecConfig:
                 "SparseSpecConfig.overlap_scoring and score_after_forward are two places for the same scoring "
                 "passes (beside the forward, or after it in one launch): choose one"
             )
+
+    @property
+    def refresh_interval(self) -> int:
+        """Verifications per selection refresh: `selection_refresh_interval`, or with None 4 for the scored
+        selections and 1 for the others (they select nothing from the verifications' scores)."""
+        if self.selection_refresh_interval is not None:
+            return self.selection_refresh_interval
+        return DEFAULT_REFRESH_INTERVAL if self.selection in SCORED_SELECTIONS else 1
 
     @property
     def packs_projections(self) -> bool:

@@ -300,7 +300,7 @@ class Scheduler:
         first = request.num_committed - 1
         row = ScheduledRow(request, RowKind.VERIFY, first, request.cycle_drafts + 1, samples=True)
         self.allocator.ensure(request.request_id, row.context_len)
-        row.refreshes = request.num_verifications % self.config.selection_refresh_interval == 0
+        row.refreshes = request.num_verifications % self.config.refresh_interval == 0
         request.num_verifications += 1
         if row.refreshes:  # the next cycle's window starts `local_window` keys before this block
             window_start = 0 if self.config.selection == "dense" else max(first - self.config.local_window, 0)

@@ -106,8 +106,10 @@ def spy_on_induction_writes(monkeypatch, record) -> None:
 
 
 K4 = SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction", num_induction_keys=4)
+# every verification refreshes, so that the recent window follows the drafts and the repeated prompt tokens'
+# matches fall before it (with the default 4, the 12 tokens of the Triton case stay in the first window)
 NAIVE_SYNC = SparseSpecConfig(num_draft_tokens=6, min_budget=2, page_size=2, selection="induction", scheduler="naive",
-                              delayed_verification=False)  # fmt: skip
+                              delayed_verification=False, selection_refresh_interval=1)  # fmt: skip
 ADAPTIVE = SparseSpecConfig(num_draft_tokens=5, min_budget=3, page_size=8, selection="induction_diagonal",
                             adaptive_draft_tokens=True)  # fmt: skip  # adaptive cycles with both kinds of extra keys
 

@@ -15,8 +15,9 @@ from hf_sparsespec.scheduler import Phase, Request, RowKind, Scheduler
 
 
 @pytest.mark.parametrize("delayed", [False, True])
-def test_every_nth_verification_refreshes_and_the_others_keep_the_window(delayed):
-    config = SparseSpecConfig(num_draft_tokens=3, page_size=4, min_budget=2, selection_refresh_interval=3,
+@pytest.mark.parametrize("interval, period", [(3, 3), (None, 4)], ids=["every-3", "default-every-4"])
+def test_every_nth_verification_refreshes_and_the_others_keep_the_window(delayed, interval, period):
+    config = SparseSpecConfig(num_draft_tokens=3, page_size=4, min_budget=2, selection_refresh_interval=interval,
                               delayed_verification=delayed)  # fmt: skip
     scheduler = Scheduler(config, PageAllocator(512, config.page_size), num_slots=2)
     request = Request(0, [1] * 20, 200)
@@ -48,8 +49,8 @@ def test_every_nth_verification_refreshes_and_the_others_keep_the_window(delayed
                         scheduler.start_cycle(request, scheduler.iteration)
         if request.phase is Phase.AWAIT and not pending:
             break
-    assert len(refreshes) >= 9
-    assert refreshes[:9] == [True, False, False] * 3
+    assert len(refreshes) >= 3 * period
+    assert refreshes[: 3 * period] == ([True] + [False] * (period - 1)) * 3
     # the draft windows start at positions of refreshing blocks only, and never move back
     assert windows == sorted(windows) and len(set(windows)) >= 3
 
@@ -64,9 +65,10 @@ def test_every_nth_verification_refreshes_and_the_others_keep_the_window(delayed
                          delayed_verification=False, selection_refresh_interval=2),  # fmt: skip
         SparseSpecConfig(num_draft_tokens=4, min_budget=2, page_size=4, selection="induction_diagonal",
                          num_induction_keys=3, selection_refresh_interval=2, backend="triton"),  # fmt: skip
+        SparseSpecConfig(num_draft_tokens=3, min_budget=2, page_size=4, num_induction_keys=3),
     ],
     ids=["k4-pillar-every-2", "k5-induction-diagonal-every-3", "k3-diagonal-naive-sync-every-2",
-         "k4-induction-diagonal-every-2-triton"],  # fmt: skip
+         "k4-induction-diagonal-every-2-triton", "k3-default-every-4"],  # fmt: skip
 )
 def test_greedy_equals_plain_generate_and_fewer_verifications_select(config, monkeypatch):
     """Lossless, while only about 1 in n verifications writes a selection: the others select into the
@@ -98,7 +100,7 @@ def test_greedy_equals_plain_generate_and_fewer_verifications_select(config, mon
     assert_greedy_equal(model, expected, out.sequences, mask)
     total = out.sparsespec_stats.total
     assert total.cycles > 0 and total.accepted_drafts < total.drafted_tokens  # the sparse drafts are tested
-    interval = config.selection_refresh_interval
+    interval = config.refresh_interval
     assert 0 < sum(selecting) < sum(verifying)
     assert sum(selecting) <= total.cycles / interval + len(ids) + 1  # one refresh per n cycles, per request
 
@@ -110,3 +112,14 @@ def test_the_interval_needs_a_scored_selection():
         SparseSpecConfig(selection_refresh_interval=0)
     with pytest.raises(ValueError, match="needs a scored selection"):
         SparseSpecConfig(selection="streaming", selection_refresh_interval=2)
+
+
+@pytest.mark.parametrize(
+    "selection, default",
+    [("pillar", 4), ("diagonal", 4), ("induction", 4), ("induction_diagonal", 4), ("streaming", 1), ("dense", 1)],
+)
+def test_the_default_interval_is_4_for_scored_selections_and_1_for_the_others(selection, default):
+    assert SparseSpecConfig(selection=selection).refresh_interval == default
+    assert SparseSpecConfig(selection=selection, selection_refresh_interval=1).refresh_interval == 1
+    if default > 1:
+        assert SparseSpecConfig(selection=selection, selection_refresh_interval=2).refresh_interval == 2

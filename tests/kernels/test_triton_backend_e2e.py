@@ -70,8 +70,9 @@ def test_every_scoring_launch_pads_its_rows_to_the_workspace(after_forward, devi
     monkeypatch.setattr(triton_backend, name, recording)
     model = tiny_model("qwen2").float().to(device)
     ids, mask = (x.to(device) for x in ragged_batch([9, 14, 6]))
+    # every verification scores (the default, every 4th, leaves too few scoring launches to differ)
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, backend="triton",
-                              score_after_forward=after_forward)  # fmt: skip
+                              score_after_forward=after_forward, selection_refresh_interval=1)  # fmt: skip
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
                        generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
