@@ -373,7 +373,9 @@ def recording_triton_compiles(iteration):
 
     def after(*args, **kwargs):
         seconds = time.perf_counter() - started.pop(id(kwargs.get("key")), time.perf_counter())
-        log.append((iteration(), round(seconds, 3), str(kwargs.get("repr", "?"))[:4000]))
+        name = str(kwargs.get("repr", "?")).split("(")[0]  # with its options; Triton 3.6 lists no argument types
+        specialised = f"constants={kwargs.get('constants')} attrs={(kwargs.get('configs') or [None])[0]}"
+        log.append((iteration(), round(seconds, 3), f"{name} {specialised}"[:4000]))
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
     try:

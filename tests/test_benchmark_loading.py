@@ -355,3 +355,27 @@ def test_each_run_is_compared_with_the_autoregressive_run_of_its_forward():
     assert ar_baseline("pillar", runs) == "ar+reserve"  # the eager AR run (a label with its KV policy)
     assert ar_baseline("hf_static", runs) == "ar_compiled_unpacked"  # no forward of ours: the first AR run
     assert ar_baseline("pillar", {"pillar": {}, "hf_static": {}}) is None
+
+
+def test_a_triton_compile_is_recorded_with_its_specialisation():
+    """The e2e script's recorder, fed through Triton's JIT hooks: each compile inside the block is kept
+    with its iteration, its kernel's name and the constants and attributes Triton keys its variants by
+    (Triton 3.6's `repr` lists the arguments without their types, so a variant compiled mid-run could
+    not be told apart), and the hooks are given back afterwards."""
+    triton = pytest.importorskip("triton")
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no JIT hooks (before 3.4)")
+    from e2e_throughput import recording_triton_compiles
+
+    previous = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+    key = ("signature", ("()",))
+    hook_kwargs = dict(key=key, repr="_mixed_attention_kernel[num_warps=4, num_stages=3](q_ptr: ()",
+                       constants={(26,): 1}, configs=[{(0,): [["tt.divisibility", 16]]}])  # fmt: skip
+    with recording_triton_compiles(lambda: 9020) as log:
+        runtime.jit_cache_hook(**hook_kwargs)
+        runtime.jit_post_compile_hook(**hook_kwargs)
+    assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == previous
+    ((iteration, seconds, kernel),) = log
+    assert iteration == 9020 and 0 <= seconds < 5
+    assert kernel == "_mixed_attention_kernel[num_warps=4, num_stages=3] constants={(26,): 1} attrs={(0,): [['tt.divisibility', 16]]}"
