@@ -19,7 +19,8 @@ Runs (`--runs`): `hf_static` (warmed on the same shape first: it compiles per sh
 our runs with `_tail` appended (`pillar_tail`: `plain_tail_rows=--plain-tail-rows`, the last requests
 finish with plain one-token steps), any of our drafting runs with `_refresh<n>` appended
 (`induction_diagonal_compiled_refresh2`: `selection_refresh_interval=n`, one scoring pass every n
-verifications; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`)
+verifications; without it the config's default, every 4th since measurements 34, and `_refresh1` the
+paper's every verification; before it `_k<n>`, `num_draft_tokens=n`: `induction_diagonal_compiled_k16_refresh2`)
 and then `_from<n>` (`induction_diagonal_compiled_refresh2_from2048`: `min_draft_context=n`,
 plain one-token steps until a request's context reaches n tokens), `_local<n>` (`local_window=n`: the
 drafts also attend the n newest old keys) and `_minbudget<n>` (`min_budget=n` instead of
