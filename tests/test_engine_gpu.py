@@ -178,16 +178,18 @@ def test_scoring_on_a_second_stream_changes_nothing(selection, compile_forward, 
 
 @pytest.mark.parametrize("compile_forward", [False, True], ids=["eager-forward", "compiled-forward"])
 @pytest.mark.parametrize("selection", ["induction_diagonal", "pillar"])
-def test_refreshing_every_other_verification_with_graphs_equals_eager_and_plain_generate(selection, compile_forward,
-                                                                                          runners):  # fmt: skip
-    """`selection_refresh_interval=2`: the verifications that keep their selection score and select
-    nothing inside the captured iterations (their rows point at the dummy slot); graphs = eager =
-    plain `generate`, and the acceptance differs from refreshing at every verification."""
+@pytest.mark.parametrize("every", [2, None], ids=["every-2", "default-every-4"])
+def test_refreshing_every_nth_verification_with_graphs_equals_eager_and_plain_generate(every, selection,
+                                                                                        compile_forward, runners):  # fmt: skip
+    """`selection_refresh_interval=2`, and the default (every 4th): the verifications that keep their
+    selection score and select nothing inside the captured iterations (their rows point at the dummy
+    slot); graphs = eager = plain `generate`, and the acceptance differs from refreshing at every
+    verification."""
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6, 11, 2]))
     expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
     outs = []
-    for graphs, interval in ((True, 2), (False, 2), (True, 1)):
+    for graphs, interval in ((True, every), (False, every), (True, 1)):
         config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4, selection=selection,
                                   cuda_graphs=graphs, compile_forward=compile_forward and graphs,
                                   selection_refresh_interval=interval)  # fmt: skip
