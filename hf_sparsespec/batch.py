@@ -199,14 +199,22 @@ class BatchBuilder:
             a single row of a kind eagerly (dynamo specialises a size of 1, `ModelRunner._compiles`): a
             256-row iteration with one verification took 10.7-11.2 ms on the H100, compiled ones
             with two or four ~9.1 at the same contexts (docs/measurements.md 30).
+        plain_phases: whether plain one-token steps make up whole stretches of a run (k = 0,
+            `min_draft_context`, `plain_tail_rows`): then a padded shape without verifications tiles
+            its full rows for one query. Otherwise such shapes hold only the drain's last tokens (a
+            request's last token is a plain step) beside drafts, and keep the verifications' tile, so
+            that the attention kernel has one variant a run: a bucket of them, captured late in a long
+            run, compiled a Triton variant of its own inside a timed 256 x 8192 run (1.7 s,
+            docs/measurements.md 34).
     """
 
     def __init__(
         self, k: int, num_slots: int, history_width: int, page_size: int, page_table: DevicePageTable,
         group: int, num_kv_heads: int, plan_items: int, num_params: int, pad: bool, sample_seed: int | None = None,
-        num_moved: int = 0, min_padded_rows: int = 1,
+        num_moved: int = 0, min_padded_rows: int = 1, plain_phases: bool = True,
     ) -> None:  # fmt: skip
         self.sample_seed, self.num_moved, self.min_padded_rows = sample_seed, num_moved, min_padded_rows
+        self.plain_phases = plain_phases
         self.k, self.num_slots, self.width, self.page_size = k, num_slots, history_width, page_size
         self.page_table = page_table
         self.group, self.num_kv_heads, self.plan_items = group, num_kv_heads, plan_items
@@ -277,8 +285,8 @@ class BatchBuilder:
         real_tokens = int(n_tok.sum())
         num_tokens = v_pad * spec + s_pad if padded else real_tokens
         num_rows = n_rows + (v_pad - n_v) + (s_pad - n_s)
-        if padded:  # the tile of a bucket: verifications' (k + 1) queries if it has room for any
-            max_full_q = spec if v_pad else 1
+        if padded:  # the tile of a bucket: verifications' (k + 1) queries if it has room for any (`plain_phases`)
+            max_full_q = spec if v_pad or not self.plain_phases else 1
         else:
             max_full_q = int(n_tok[:n_full].max(initial=1))
         block_m_full = block_sizes(max_full_q, self.group)[0]

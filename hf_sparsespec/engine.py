@@ -133,6 +133,7 @@ class Engine:
             geometry.num_kv_heads, items, pipeline.num_params, pad=use_graphs if pad_to_buckets is None else pad_to_buckets,
             sample_seed=int(torch.randint(0, 2**62, ())) if do_sample else None,  # torch's generator seeds the noise
             num_moved=layout.num_moved, min_padded_rows=2 if config.compile_forward else 1,
+            plain_phases=self.k == 0 or config.min_draft_context > 0 or config.plain_tail_rows > 0,
         )  # fmt: skip
         largest, max_page_updates = self._largest_step(pipeline.num_params, group, items)
         self.runner = ModelRunner(

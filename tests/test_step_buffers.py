@@ -24,6 +24,7 @@ from hf_sparsespec.batch import (
 )
 from hf_sparsespec.cache import PageAllocator
 from hf_sparsespec.engine import Engine
+from hf_sparsespec.kernels.attention_plan import block_sizes
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.sampling import (
     ACCEPT_NOISE,
@@ -318,6 +319,30 @@ def test_bucket_padding_writes_no_kv_and_samples_nothing(backend):
     assert_same_decoding(exact, exact_requests, padded, padded_requests)  # padding writes no KV
     num_slots = exact.layout.num_slots
     assert padded.runner.token_buffer[num_slots].any()  # padding rows sampled into the dummy slot only
+
+
+@pytest.mark.parametrize(
+    "fields, one_tile",
+    [({}, True), (dict(min_draft_context=12), False), (dict(plain_tail_rows=2), False)],
+    ids=["drafting", "plain-steps-first", "plain-tail"],
+)
+def test_a_drafting_run_tiles_every_bucket_for_its_verifications(fields, one_tile):
+    """A drafting run's buckets without verifications (the drain: drafts and requests' last tokens, which
+    are plain steps) keep the verifications' full-row tile, so that the attention kernel compiles one
+    variant a run (its `BLOCK_M_FULL`); a run with stretches of plain steps tiles those for one query."""
+    model = tiny_model("qwen2")
+    prompts = [[5, 17, 3, 8], [9] * 11, [40, 41, 42], [2, 7], [6] * 6]
+    config = SparseSpecConfig(num_draft_tokens=8, min_budget=2, page_size=4, **fields)
+    engine, requests, shapes = _run_engine(model, prompts, config, pad=True, max_new_tokens=30)
+    padded = [s for s in shapes if s.padded]
+    without = [s for s in padded if s.num_verify_rows == 0]
+    assert without and len(without) < len(padded)  # both kinds of bucket ran
+    verification_tile = block_sizes(config.num_draft_tokens + 1, engine.builder.group)[0]
+    one_query_tile = block_sizes(1, engine.builder.group)[0]
+    assert verification_tile > one_query_tile
+    assert {s.block_m_full for s in padded if s.num_verify_rows} == {verification_tile}
+    assert {s.block_m_full for s in without} == {verification_tile if one_tile else one_query_tile}
+    assert all(len(r.generated) == 30 for r in requests)
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 7, 37])

@@ -119,6 +119,29 @@ def test_verifications_of_k16_fill_a_128_row_tile(device, dtype):
     assert _check_whole_and_split(args, host, dtype, group, device).block_m_full == 128
 
 
+def test_plain_steps_beside_drafts_in_the_verifications_tile(device):
+    """A drafting run's drain bucket: one-query full rows (requests' last tokens, plain steps) beside
+    drafts and no verification, planned with the verifications' tile (k = 8, a GQA group of 6: 64 rows
+    for 6), as the engine does so that the kernel keeps one variant a run (`BatchBuilder.plain_phases`)."""
+    group, k = 6, 8
+    args, host = _mixed_batch(device, torch.float32, 16, group, 32, full_rows=[(97, 1), (40, 1), (5, 1)])
+    block_m_full = block_sizes(k + 1, group)[0]
+    assert block_m_full == 64 > block_sizes(1, group)[0]
+    capacity = plan_capacity(6, 6, block_m_full // group, 6)
+    work, merge, _ = plan_work_lists(
+        host.query_start, host.context_lens, host.num_full_rows, host.num_selected, host.recent_start, group=group,
+        block_m_full=block_m_full, items=6, min_keys_per_split=16, capacity=capacity,
+    )  # fmt: skip
+    assert (merge[:, 3] > 1).any()  # split, and merged
+    lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)])).to(device)
+    plan = AttentionPlan(lists[: work.size].view(-1, 5), lists[work.size :].view(-1, 5), capacity.num_part_rows,
+                         block_m_full, block_sizes(1, group)[1], group, 2)  # fmt: skip
+    out, lse = TritonBackend().mixed_attention(*args, plan=plan)
+    ref_out, ref_lse = TorchBackend().mixed_attention(*args, plan=None)
+    assert_attention_close(out, ref_out, None, torch.float32)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
 def test_triton_backend_matches_torch_backend(device):
     """The engine's call pattern: a work list padded to a fixed capacity (no-op items and merge
     entries, as a CUDA graph replays it) reused by two layers, then PillarAttn on the verification
