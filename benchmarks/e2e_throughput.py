@@ -549,21 +549,19 @@ def ar_baseline(label: str, runs: dict) -> str | None:
     run's (`compile_forward`, whether it packs the projections), else the first AR run, else None. So in
     one process `..._unpacked` compares with `ar_compiled_unpacked` and the others with `ar_compiled`."""
 
-    def fields(name: str) -> dict | None:
+    def config(name: str) -> SparseSpecConfig | None:
         try:
-            return run_fields(name.split("+")[0], None)  # a label may carry its KV policy (`run+policy`)
+            return SparseSpecConfig(**run_fields(name.split("+")[0], None))  # a label may carry `+policy`
         except KeyError:  # hf_static
             return None
 
-    def forward(f: dict) -> tuple:
-        compiled = f.get("compile_forward", False)
-        packs = f.get("pack_projections")
-        return bool(compiled), compiled == "layers", bool(compiled) if packs is None else packs
+    def forward(c: SparseSpecConfig) -> tuple:
+        return c.compile_forward, c.packs_projections
 
-    ar_runs = [name for name in runs if (f := fields(name)) is not None and f.get("num_draft_tokens") == 0]
-    own = fields(label)
-    same = [name for name in ar_runs if own is not None and forward(fields(name)) == forward(own)]
-    return (same or ar_runs or [None])[0]
+    ar_runs = {name: c for name in runs if (c := config(name)) is not None and c.num_draft_tokens == 0}
+    own = config(label)
+    same = [name for name, c in ar_runs.items() if own is not None and forward(c) == forward(own)]
+    return (same or list(ar_runs) or [None])[0]
 
 
 def print_tables(report: dict) -> None:

@@ -280,7 +280,7 @@ class SparseSpecConfig:
                 f"SparseSpecConfig.local_window > 0 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
             )
-        if (self.selection_refresh_interval or 1) > 1 and self.selection not in SCORED_SELECTIONS:
+        if self.refresh_interval > 1 and self.selection not in SCORED_SELECTIONS:
             raise ValueError(
                 f"SparseSpecConfig.selection_refresh_interval > 1 needs a scored selection {SCORED_SELECTIONS}, "
                 f"got selection={self.selection!r}"
