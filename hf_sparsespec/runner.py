@@ -14,7 +14,8 @@ the same function eagerly.
 
 Buffers owned here (the last row of every per-slot buffer is the dummy slot that padding writes):
     token_buffer  [num_slots + 1, history_width] int64  every request's padding, prompt and tokens
-    draft_probs   [(num_slots + 1) * k, vocab] fp32     processed draft distributions (sampling only)
+    draft_store   [(num_slots + 1) * k, vocab]           the drafts' distributions (sampling only): their logits
+                  (the model's dtype) and stats [.., 2] fp32 with temperature alone, else fp32 probabilities
     page_table    [num_slots + 1, max_pages] int32      every slot's pages (updated with new entries)
     staging (x2, pinned) / metadata                     the int32 fields of `batch.StepShape.fields`
     results       int64: per verify slot [accepted, k drafts, next], then the one-token rows' tokens
@@ -38,7 +39,7 @@ from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.ops import ScoringAside, scoring_stream
 from hf_sparsespec.packed_projections import FuseSiblingLinears, call_packed
-from hf_sparsespec.sampling import LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
+from hf_sparsespec.sampling import Distributions, LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
 from hf_sparsespec.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -114,9 +115,18 @@ class ModelRunner:
         device = cache.layers[0].keys.device
         self.device = device
         self.token_buffer = torch.zeros((num_slots + 1, history_width), dtype=torch.long, device=device)
-        self.draft_probs = None
+        # temperature alone (min-length bans aside): the distributions are read from the logits and each
+        # row's stats, never written out (`kernels.tempered_softmax`); the drafts' store keeps logits too
+        self.temperature = pipeline.fused_temperature if do_sample else None
+        self.draft_store: Distributions | None = None  # the drafts' distributions until their verification
         if do_sample and k > 0:
-            self.draft_probs = torch.zeros(((num_slots + 1) * k, vocab_size), dtype=torch.float32, device=device)
+            rows = (num_slots + 1) * k
+            if self.temperature is not None:
+                values = torch.zeros((rows, vocab_size), dtype=logits_dtype(model), device=device)
+                stats = torch.zeros((rows, 2), dtype=torch.float32, device=device)
+                self.draft_store = Distributions(values, stats, self.temperature)
+            else:
+                self.draft_store = Distributions(torch.zeros((rows, vocab_size), dtype=torch.float32, device=device))
         max_pages = -(-history_width // cache.page_size)
         self.page_table = torch.zeros((num_slots + 1, max_pages), dtype=torch.int32, device=device)
         pinned = device.type == "cuda"
@@ -420,24 +430,26 @@ class ModelRunner:
             params=w["logits_params"],
             host=batch.host_rows if batch is not None else None,
         )
-        temperature, truncation = self.pipeline.fused_temperature, self.pipeline.fused_truncation
-        if self.do_sample and temperature is not None:  # one pass from the model's logits to the probabilities
-            logits = self.pipeline.ban_eos_in_place(logits, rows)
-            scores, probs = None, self.backend.tempered_softmax(logits, temperature)
+        truncation = self.pipeline.fused_truncation
+        dists = scores = None
+        if self.temperature is not None:  # one pass over the model's logits: each row's stats
+            logits = self._logits_for_store(self.pipeline.ban_eos_in_place(logits, rows))
+            dists = Distributions(logits, self.backend.softmax_stats(logits, self.temperature), self.temperature)
         elif self.do_sample and truncation is not None:  # top-k / top-p without sorting the vocabulary
             t = truncation
             if t.bans_only:  # in place on the model's logits, as the temperature-only path
                 history = self.pipeline.ban_eos_in_place(logits, rows)
             else:
                 history = self.pipeline(logits.float(), self.token_buffer, rows, t.num_history_steps)
-            probs = self.backend.truncated_softmax(history, t.temperature, t.top_k, t.top_p, t.min_tokens_to_keep)
-            scores = None
+            dists = Distributions(self.backend.truncated_softmax(history, t.temperature, t.top_k, t.top_p,
+                                                                 t.min_tokens_to_keep))  # fmt: skip
         else:
             scores = self.pipeline(logits.float(), self.token_buffer, rows)
-            probs = torch.softmax(scores, dim=-1) if self.do_sample else None
+            dists = Distributions(torch.softmax(scores, dim=-1)) if self.do_sample else None
         keys = self.backend.position_keys(f["logits_stream"], prefix_len)
-        if self.do_sample:
-            tokens = self.backend.keyed_sample(probs[v * spec :], keys[v * spec :])
+        if dists is not None:
+            sampled = dists[v * spec :]
+            tokens = self.backend.keyed_sample(sampled.values, keys[v * spec :], sampled.stats, sampled.temperature)
         else:
             tokens = scores.argmax(dim=-1)[v * spec :]
         tokens = self._same_on_every_process(tokens)
@@ -446,28 +458,18 @@ class ModelRunner:
         if v:
             draft_tokens = flat_tokens[w["draft_index"]]  # [v, k]
             num_drafts = w["num_drafts"]
-            if probs is None:
+            if dists is None:
                 targets = scores[: v * spec].argmax(dim=-1).view(v, spec)
                 accepted, next_token = accept_greedy(draft_tokens, num_drafts, targets)
             else:
-                draft_rows = w["draft_prob_row"].view(v, self.k)
-                draft_probs = self.draft_probs if self.draft_probs is not None else probs.new_zeros((0, probs.shape[1]))
-                target_keys = keys[: v * spec].view(v, spec, 2)
-                verify_rows = torch.arange(v, device=self.device)
-
-                def sample_residual(target_rows, store_rows, accepted: torch.Tensor) -> torch.Tensor:
-                    return self.backend.keyed_sample_residual(probs, target_rows, draft_probs, store_rows,
-                                                              target_keys[verify_rows, accepted])  # fmt: skip
-
-                accepted, next_token = accept_sampled(draft_tokens, num_drafts, probs[: v * spec].view(v, spec, -1),
-                                                      draft_probs, self.backend.keyed_uniform(f["accept_key"]),
-                                                      draft_rows=draft_rows, sample_residual=sample_residual)  # fmt: skip
-                accepted, next_token = self._same_on_every_process(torch.stack([accepted, next_token]))
+                accepted, next_token = self._accept_sampled(dists[: v * spec], draft_tokens, num_drafts,
+                                                            w["draft_prob_row"].view(v, self.k), keys[: v * spec],
+                                                            f["accept_key"])  # fmt: skip
             flat_tokens[w["verify_base"] + accepted] = next_token
             results.append(torch.cat([accepted[:, None], draft_tokens, next_token[:, None]], dim=1).view(-1))
         if s:  # plain steps' tokens are committed, drafts' verified later: the next rows read both
-            single_probs = probs[v * spec : v * spec + s] if probs is not None else None
-            self._store_drafts(single_write, f["single_prob_index"], tokens[:s], single_probs)
+            single = dists[v * spec : v * spec + s] if dists is not None else None
+            self._store_drafts(single_write, f["single_prob_index"], tokens[:s], single)
             results.append(tokens[:s])
         if shape.num_prefill_samples:
             first = tokens[s:]
@@ -487,13 +489,49 @@ class ModelRunner:
         dist.broadcast(values, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
         return values
 
-    def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None):
+    def _accept_sampled(self, target: Distributions, draft_tokens, num_drafts, draft_rows, target_keys,
+                        accept_keys) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Rejection sampling of the verifications' drafts (`sampling.accept_sampled`): `target` the
+        verifications' `v * (k + 1)` rows, the drafts' distributions in their store (`draft_rows [v, k]`);
+        the drafted tokens' probabilities and the recovered or bonus tokens read in place."""
+        v, spec = draft_tokens.shape[0], self.k + 1
+        store = self.draft_store if self.draft_store is not None else target[:0]  # k = 0: no drafts
+        verify_rows = torch.arange(v, device=self.device)
+        target_rows = verify_rows[:, None] * spec + torch.arange(self.k, device=self.device)[None, :]
+        p = self.backend.probabilities_at(target.values, target_rows, draft_tokens, target.stats, target.temperature)
+        q = self.backend.probabilities_at(store.values, draft_rows, draft_tokens, store.stats, store.temperature)
+        target_keys = target_keys.view(v, spec, 2)
+
+        def sample_residual(rows, store_rows, accepted: torch.Tensor) -> torch.Tensor:
+            return self.backend.keyed_sample_residual(target.values, rows, store.values, store_rows,
+                                                      target_keys[verify_rows, accepted], target.stats, store.stats,
+                                                      target.temperature)  # fmt: skip
+
+        accepted, next_token = accept_sampled(draft_tokens, num_drafts, None, None, self.backend.keyed_uniform(accept_keys),
+                                              draft_rows=draft_rows, sample_residual=sample_residual, drafted=(p, q))  # fmt: skip
+        return self._same_on_every_process(torch.stack([accepted, next_token]))
+
+    def _logits_for_store(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the drafts' store can keep exactly (it is allocated in `logits_dtype(model)`)."""
+        store = self.draft_store
+        if store is None or logits.dtype == store.values.dtype:
+            return logits
+        if store.values.dtype == torch.float32:  # wider: exact
+            return logits.float()
+        raise NotImplementedError(
+            f"hf_sparsespec: {type(self.model).__name__} returned {logits.dtype} logits, but its output embeddings "
+            f"are {store.values.dtype}, the dtype the drafts' store keeps logits in"
+        )
+
+    def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, drafts: Distributions | None):
         """Keep this iteration's one-token rows' tokens (plain steps' committed, drafts' for the
-        verification) and the drafts' processed probabilities (`prob_index` -1: plain steps and padding,
-        nothing stored)."""
+        verification) and the drafts' distributions (`prob_index` -1: plain steps and padding, nothing
+        stored)."""
         self.token_buffer.view(-1)[write_index] = draft_tokens
-        if draft_probs is not None and self.draft_probs is not None:
-            self.backend.store_rows(self.draft_probs, prob_index, draft_probs)
+        if drafts is not None and self.draft_store is not None:
+            self.backend.store_rows(self.draft_store.values, prob_index, drafts.values)
+            if drafts.stats is not None:
+                self.backend.store_rows(self.draft_store.stats, prob_index, drafts.stats)
 
     def _plan(self, shape: StepShape, f: dict) -> AttentionPlan | None:
         if shape.plan is None:
@@ -580,6 +618,14 @@ class ModelRunner:
         if not self.logits_to_keep:
             logits = logits[logits_index]
         return logits  # [num_logits, vocab], the model's dtype
+
+
+def logits_dtype(model) -> torch.dtype:
+    """The dtype of the model's logits: its output embeddings' (transformers' causal LMs return the LM
+    head's output as it is), else its parameters'."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else next(model.parameters()).dtype
 
 
 LAYER_GRAPHS_LIMIT = 64  # dynamo graphs of the shared layer call (`_model_logits_compiled_layers`)

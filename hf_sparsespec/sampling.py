@@ -289,6 +289,25 @@ def _by_prefix_length(processor, scores: torch.Tensor, token_buffer: torch.Tenso
     return processed
 
 
+@dataclass(frozen=True)
+class Distributions:
+    """Sampling distributions of rows, as the backend's samplers read them: `values [n, vocab]` are the
+    probabilities themselves (`stats` None), or logits whose distributions are `softmax(values /
+    temperature)`, read through each row's `stats [n, 2]` (`kernels.tempered_softmax.softmax_stats`)."""
+
+    values: torch.Tensor
+    stats: torch.Tensor | None = None
+    temperature: float = 1.0
+
+    def __getitem__(self, rows: slice) -> Distributions:
+        stats = self.stats[rows] if self.stats is not None else None
+        return Distributions(self.values[rows], stats, self.temperature)
+
+    @property
+    def from_logits(self) -> bool:
+        return self.stats is not None
+
+
 # Purposes of a keyed draw (`sample_keys`)
 DRAFT_NOISE, TARGET_NOISE, ACCEPT_NOISE = 1, 2, 3
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -371,6 +390,7 @@ def accept_sampled(
     sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     draft_rows: torch.Tensor | None = None,  # [num_rows, k] int64 rows of a store `draft_probs [N, vocab]`
     sample_residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    drafted: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_rows, k] float32 each: p and q of the drafts
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling: `(accepted [num_rows], next_token [num_rows])`; the committed
     tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling.
@@ -382,7 +402,10 @@ def accept_sampled(
     rejection needs, not a copy of every row. `sample_residual(target_rows, store_rows, accepted)`
     instead of `sample`: draws that token itself from `max(p - q, 0)` (`keyed_sample_residual`), p the
     row `target_rows[r]` of `target_probs` viewed `[num_rows * (k + 1), vocab]`, q the store's row
-    `store_rows[r]` (-1 for a bonus token: nothing subtracted), so no residual row is materialised."""
+    `store_rows[r]` (-1 for a bonus token: nothing subtracted), so no residual row is materialised.
+    `drafted`: the target and draft probabilities of every drafted token, read by the caller (the
+    engine reads them from logits, `backend.probabilities_at`); with `sample_residual` too, neither
+    `target_probs` nor `draft_probs` is read (None)."""
     num_rows, k = draft_tokens.shape
     device = draft_tokens.device
     sample = sample if sample is not None else (lambda probs, accepted: sample_from(probs))
@@ -395,8 +418,11 @@ def accept_sampled(
     else:
         store = draft_probs
     valid = torch.arange(k, device=device)[None, :] < num_drafts[:, None]
-    p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
-    q = store[draft_rows, draft_tokens]
+    if drafted is not None:
+        p, q = drafted
+    else:
+        p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
+        q = store[draft_rows, draft_tokens]
     if uniform is None:
         uniform = torch.rand(p.shape, device=device, dtype=p.dtype)
     keep = (uniform * q < p) & valid  # accept with probability min(1, p / q)

@@ -100,16 +100,16 @@ def test_sampling_with_graphs_is_seeded_and_accepts_drafts(selection, runners):
 @pytest.mark.parametrize("min_new_tokens", [None, 30])
 @pytest.mark.parametrize("k", [0, 4])
 def test_temperature_only_sampling_fuses_the_softmax(k, min_new_tokens, runners, monkeypatch):
-    """Temperature alone (and the min-length ban of eos): the probabilities come from the fused kernel
-    (`tempered_softmax`), and the keyed draws give the tokens of the unfused pipeline (processors,
-    then torch.softmax)."""
+    """Temperature alone (and the min-length ban of eos): the distributions are read from the logits and
+    each row's stats (`softmax_stats`), and the keyed draws give the tokens of the unfused pipeline
+    (processors, then torch.softmax)."""
     from hf_sparsespec.kernels.triton_backend import TritonBackend
 
     model = tiny_model("qwen2").cuda()
     ids, mask = (x.cuda() for x in ragged_batch([9, 3, 14, 6]))
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
     sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, min_new_tokens=min_new_tokens)
-    out = assert_fused_draws_the_unfused_tokens(monkeypatch, TritonBackend, "tempered_softmax", "fused_temperature",
+    out = assert_fused_draws_the_unfused_tokens(monkeypatch, TritonBackend, "softmax_stats", "fused_temperature",
                                                 lambda: _generate(model, ids, mask, config, **sample))  # fmt: skip
     if k:
         total = out.sparsespec_stats.total

@@ -24,8 +24,16 @@ from hf_sparsespec.kernels.keyed_sample import (
     keyed_uniform,
     keyed_uniform_ref,
     position_keys_ref,
+    probabilities_at,
+    probabilities_at_ref,
 )
 from hf_sparsespec.kernels.keyed_sample import position_keys as device_position_keys
+from hf_sparsespec.kernels.tempered_softmax import (
+    softmax_stats,
+    softmax_stats_ref,
+    tempered_softmax,
+    tempered_softmax_ref,
+)
 from hf_sparsespec.sampling import (
     ACCEPT_NOISE,
     DRAFT_NOISE,
@@ -175,6 +183,66 @@ def test_residual_draws_reject_inputs_that_do_not_match(device):
         keyed_sample_residual(probs, rows.float(), store, rows, keys)
 
 
+@pytest.mark.parametrize("vocab", [97, 5000, 13000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_draws_from_logits_equal_the_draws_from_the_written_softmax(vocab, dtype, device):
+    """With temperature alone the engine never writes the probabilities: the samplers and
+    `probabilities_at` read them from the logits and each row's `softmax_stats`. Their tokens and
+    probabilities are those of the written `tempered_softmax` to the bit (Triton: one expression,
+    `tempered_probability`; the references: `softmax` row by row), over split vocabularies, masked tokens
+    (-inf, a whole split of them in one row), strided rows of a larger buffer, rejections, bonus
+    tokens and draws of one row twice."""
+    generator = torch.Generator().manual_seed(vocab + 2)
+    temperature = 0.65
+    buffer = (torch.randn(30, vocab, generator=generator) * 5).to(dtype)
+    buffer[:, 3::7] = float("-inf")  # banned tokens
+    if vocab > 8192:
+        buffer[4, 4096:8192] = float("-inf")  # a whole split (of 4 on the interpreter)
+    logits = buffer.to(device)[::2]  # 15 rows, strided
+    store = (torch.randn(9, vocab, generator=generator) * 5).to(dtype).to(device)
+    keys = torch.from_numpy(sample_keys(5, np.arange(15), 20, DRAFT_NOISE)).to(device)
+    rows = torch.tensor([0, 14, 7, 4, 7, 2, 11, 4], device=device)
+    store_rows = torch.tensor([3, -1, 8, 6, 0, -1, 1, 3], device=device)
+    draw_keys = keys[:8]
+    at_rows = torch.randint(0, 15, (4, 3), generator=generator).to(device)
+    at_tokens = torch.randint(0, vocab, (4, 3), generator=generator).to(device)
+    for softmax, stats_of, sample, residual, at in (
+        (tempered_softmax, softmax_stats, keyed_sample, keyed_sample_residual, probabilities_at),
+        (tempered_softmax_ref, softmax_stats_ref, keyed_sample_ref, keyed_sample_residual_ref, probabilities_at_ref),
+    ):
+        probs, store_probs = softmax(logits, temperature), softmax(store, temperature)
+        stats, store_stats = stats_of(logits, temperature), stats_of(store, temperature)
+        assert stats.shape == (15, 2) and stats.dtype == torch.float32
+        expected = sample(probs, keys)
+        assert torch.equal(sample(logits, keys, stats, temperature), expected)
+        assert (probs[torch.arange(15, device=device), expected] > 0).all()
+        expected = residual(probs, rows, store_probs, store_rows, draw_keys)
+        got = residual(logits, rows, store, store_rows, draw_keys, stats, store_stats, temperature)
+        assert torch.equal(got, expected)
+        assert torch.equal(at(logits, at_rows, at_tokens, stats, temperature), probs[at_rows, at_tokens])
+        assert torch.equal(at(probs, at_rows, at_tokens), probs[at_rows, at_tokens])
+    torch.testing.assert_close(softmax_stats(logits, temperature), softmax_stats_ref(logits, temperature), rtol=2e-5,
+                               atol=0)  # fmt: skip
+
+
+def test_draws_from_logits_reject_inputs_that_do_not_match(device):
+    logits, store = torch.randn(4, 10, device=device), torch.randn(3, 10, device=device)
+    stats = softmax_stats(logits, 0.7)
+    rows, keys = torch.tensor([0, 1], device=device), torch.zeros(2, 2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="stats: expected shape"):
+        keyed_sample(logits, torch.zeros(4, 2, dtype=torch.int64, device=device), stats[:3], 0.7)
+    with pytest.raises(ValueError, match="expected both"):
+        keyed_sample_residual(logits, rows, store, rows, keys, stats, None, 0.7)
+    with pytest.raises(ValueError, match="store_stats: expected shape"):
+        keyed_sample_residual(logits, rows, store, rows, keys, stats, stats, 0.7)
+    with pytest.raises(ValueError, match="temperature"):
+        keyed_sample(logits, torch.zeros(4, 2, dtype=torch.int64, device=device), stats, 0.0)
+    with pytest.raises(ValueError, match="tokens: expected shape"):
+        probabilities_at(logits, rows, rows[:1], stats, 0.7)
+    with pytest.raises(TypeError, match="stats: expected dtype"):
+        probabilities_at(logits, rows, rows, stats.double(), 0.7)
+
+
 def test_acceptance_with_residual_draws_equals_the_materialised_residual():
     """The engine's acceptance (`sample_residual`: target and store rows by index) commits what sampling
     the materialised residual rows commits, with the same keys, over rejections and full accepts."""
@@ -272,10 +340,12 @@ def test_sampled_outputs_do_not_depend_on_the_batch(variant):
     assert [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc)] != reference  # other seed
 
 
-def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch):
+@pytest.mark.parametrize("top_k", [50, 0], ids=["top-k-probabilities", "temperature-logits"])
+def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch, top_k):
     """A speculative draft's position is only known on the device (the accepted count shifts it): its
     noise must still be keyed at the position where its token lands, not at the row's unshifted one
-    (that key belongs to the previous cycle's draft, whose noise an accepted token already used)."""
+    (that key belongs to the previous cycle's draft, whose noise an accepted token already used). With
+    temperature alone the drafts are drawn from their logits and stats, with top-k from probabilities."""
     from hf_sparsespec.batch import BatchBuilder
     from hf_sparsespec.runner import ModelRunner
 
@@ -286,16 +356,18 @@ def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch):
         original_init(self, *args, **kwargs)
         seeds.append(self.sample_seed)
 
-    def store(self, write_index, prob_index, tokens, probs):
+    def store(self, write_index, prob_index, tokens, drafts):
         width = self.token_buffer.shape[1]
-        for index, token, row in zip(write_index.tolist(), tokens.tolist(), probs):
+        assert drafts.from_logits == (top_k == 0)
+        for i, (index, token) in enumerate(zip(write_index.tolist(), tokens.tolist())):
             slot, position = divmod(index, width)
             if slot == self.num_slots:
                 continue  # a padding row
             key = torch.from_numpy(sample_keys(seeds[-1], slot, position, DRAFT_NOISE))  # request i holds slot i
-            assert token == keyed_sample_ref(row[None], key).item(), (slot, position)
+            row = drafts[i : i + 1]
+            assert token == keyed_sample_ref(row.values, key, row.stats, row.temperature).item(), (slot, position)
             checked["drafts"] += 1
-        return original_store(self, write_index, prob_index, tokens, probs)
+        return original_store(self, write_index, prob_index, tokens, drafts)
 
     monkeypatch.setattr(BatchBuilder, "__init__", init)
     monkeypatch.setattr(ModelRunner, "_store_drafts", store)
@@ -303,7 +375,7 @@ def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch):
     torch.manual_seed(0)
     out = model.generate(
         input_ids=torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [3, 2, 1]]), max_new_tokens=40, do_sample=True,
-        temperature=0.7, generation_strategy="sparsespec", sparsespec_config=SparseSpecConfig(num_draft_tokens=4),
+        temperature=0.7, top_k=top_k, generation_strategy="sparsespec", sparsespec_config=SparseSpecConfig(num_draft_tokens=4),
         return_dict_in_generate=True,
     )  # fmt: skip
     total = out.sparsespec_stats.total

@@ -11,9 +11,12 @@ once per step `select_verified_keys` (every layer's top keys into the selected-i
 `"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `keyed_sample_residual` (the same from `max(p - q, 0)` of rows read in place: the
-verifications' recovered and bonus tokens), `position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
-acceptance tests' uniforms), `tempered_softmax` (the sampling distributions when temperature is
-the only logits processor), `truncated_softmax` (temperature -> top-k -> top-p without sorting
+verifications' recovered and bonus tokens; both take probabilities, or logits with their
+`softmax_stats`), `probabilities_at` (the acceptance test's probabilities of the drafted tokens),
+`position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
+acceptance tests' uniforms), `softmax_stats` (each row's maximum and inverse sum of its tempered
+logits: the sampling distributions, read from the logits, when temperature is the only logits processor),
+`tempered_softmax` (the same distributions written out), `truncated_softmax` (temperature -> top-k -> top-p without sorting
 the vocabulary), `store_rows` (the drafts' distributions into their store; rows indexed -1
 skipped), `write_induction_keys` (the `"induction"` selection's lookup of every draft row's
 induction keys into the moved-key store, `induction_keys.py`) and `shift_speculative_rows` (the
@@ -33,13 +36,14 @@ from hf_sparsespec.kernels.keyed_sample import (
     keyed_sample_residual_ref,
     keyed_uniform_ref,
     position_keys_ref,
+    probabilities_at_ref,
 )
 from hf_sparsespec.kernels.mixed_attention import mixed_attention_ref
 from hf_sparsespec.kernels.pillar_select import gather_queries_ref, score_verification_ref, select_verified_keys_ref
 from hf_sparsespec.kernels.shifts import shift_speculative_rows_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
 from hf_sparsespec.kernels.store_rows import store_rows_ref
-from hf_sparsespec.kernels.tempered_softmax import tempered_softmax_ref, truncated_softmax_ref
+from hf_sparsespec.kernels.tempered_softmax import softmax_stats_ref, tempered_softmax_ref, truncated_softmax_ref
 
 
 class AttentionBackend(Protocol):
@@ -70,15 +74,20 @@ class AttentionBackend(Protocol):
         num_selectable_keys=None,
     ) -> None: ...  # fmt: skip
 
-    def keyed_sample(self, probs, keys) -> torch.Tensor: ...
+    def keyed_sample(self, probs, keys, stats=None, temperature=1.0) -> torch.Tensor: ...
 
-    def keyed_sample_residual(self, probs, rows, store, store_rows, keys) -> torch.Tensor: ...
+    def keyed_sample_residual(self, probs, rows, store, store_rows, keys, stats=None, store_stats=None,
+                              temperature=1.0) -> torch.Tensor: ...  # fmt: skip
+
+    def probabilities_at(self, values, rows, tokens, stats=None, temperature=1.0) -> torch.Tensor: ...
 
     def position_keys(self, streams, positions) -> torch.Tensor: ...
 
     def keyed_uniform(self, keys) -> torch.Tensor: ...
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor: ...
+
+    def softmax_stats(self, logits, temperature) -> torch.Tensor: ...
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor: ...
 
@@ -137,11 +146,15 @@ class TorchBackend:
         selectable = num_old_keys if num_selectable_keys is None else num_selectable_keys
         select_verified_keys_ref(scores, selectable, budgets, selected, slots)
 
-    def keyed_sample(self, probs, keys) -> torch.Tensor:
-        return keyed_sample_ref(probs, keys)
+    def keyed_sample(self, probs, keys, stats=None, temperature=1.0) -> torch.Tensor:
+        return keyed_sample_ref(probs, keys, stats, temperature)
 
-    def keyed_sample_residual(self, probs, rows, store, store_rows, keys) -> torch.Tensor:
-        return keyed_sample_residual_ref(probs, rows, store, store_rows, keys)
+    def keyed_sample_residual(self, probs, rows, store, store_rows, keys, stats=None, store_stats=None,
+                              temperature=1.0) -> torch.Tensor:  # fmt: skip
+        return keyed_sample_residual_ref(probs, rows, store, store_rows, keys, stats, store_stats, temperature)
+
+    def probabilities_at(self, values, rows, tokens, stats=None, temperature=1.0) -> torch.Tensor:
+        return probabilities_at_ref(values, rows, tokens, stats, temperature)
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys_ref(streams, positions)
@@ -151,6 +164,9 @@ class TorchBackend:
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor:
         return tempered_softmax_ref(logits, temperature)
+
+    def softmax_stats(self, logits, temperature) -> torch.Tensor:
+        return softmax_stats_ref(logits, temperature)
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
         return truncated_softmax_ref(logits, temperature, top_k, top_p, min_tokens_to_keep)

@@ -41,6 +41,7 @@ from hf_sparsespec.kernels.attention_plan import num_sms
 _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _POSITION_SALT = 0x9E3779B9
+_LOG2E = tl.constexpr(1.4426950408889634)
 MAX_VOCAB_BLOCK = 4096  # the most vocabulary entries a row-wise pass loads at once
 SAMPLE_PROGRAMS_PER_SM = 8  # keyed_sample splits each row's vocabulary until rows x splits reach this per SM
 # keys per program of position_keys and keyed_uniform whatever their number: one compiled variant each
@@ -85,32 +86,71 @@ def keyed_uniform_ref(
     return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
+def probabilities_ref(values: torch.Tensor, stats: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """Rows of probabilities (float32): `values` themselves when `stats` is None, else `values` are logits
+    and the rows are `softmax(values / temperature)` (`tempered_softmax_ref`, row by row: the same bits
+    whichever rows are read together; the references leave the stats, the Triton kernels' shortcut, unused)."""
+    if stats is None:
+        return values.float()
+    return torch.softmax(values.float() / temperature, dim=-1)
+
+
 def keyed_sample_ref(
-    probs: torch.Tensor,  # [num_rows, vocab] fp16/bf16/fp32, unnormalised probabilities (>= 0)
+    probs: torch.Tensor,  # [num_rows, vocab] fp16/bf16/fp32, unnormalised probabilities (>= 0), or logits
     keys: torch.Tensor,  # [num_rows, 2] int32/int64 bit patterns of each row's key
+    stats: torch.Tensor | None = None,  # [num_rows, 2] fp32: `probs` are logits (`probabilities_ref`)
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Reference (and CPU backend) of `keyed_sample`: `[num_rows]` int64 tokens."""
+    probs = probabilities_ref(probs, stats, temperature)
     vocab = torch.arange(probs.shape[1], device=probs.device)[None, :]
     uniform = keyed_uniform_ref(keys[:, None, :], vocab)
     return (probs.float() / -torch.log(uniform)).argmax(dim=-1)
 
 
 def keyed_sample_residual_ref(
-    probs: torch.Tensor,  # [n, vocab] target probabilities (>= 0)
+    probs: torch.Tensor,  # [n, vocab] target probabilities (>= 0), or logits (stats)
     rows: torch.Tensor,  # [num_rows] int64 row of `probs` per draw
-    store: torch.Tensor,  # [m, vocab] draft probabilities (>= 0)
+    store: torch.Tensor,  # [m, vocab] draft probabilities (>= 0), or logits (store_stats)
     store_rows: torch.Tensor,  # [num_rows] int64 row of `store` to subtract, -1: none
     keys: torch.Tensor,  # [num_rows, 2] int32/int64
+    stats: torch.Tensor | None = None,  # [n, 2] fp32: `probs` are logits (`probabilities_ref`)
+    store_stats: torch.Tensor | None = None,  # [m, 2] fp32: `store` holds logits
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Reference (and CPU backend) of `keyed_sample_residual`: `[num_rows]` int64 tokens drawn from
     `max(probs[rows] - store[store_rows], 0)` (nothing subtracted at -1), or from `probs[rows]` itself
     where that is zero everywhere."""
-    p = probs[rows].float()
+    p = probabilities_ref(probs[rows], stats, temperature)
     has_draft = store_rows >= 0
-    q = store[store_rows.clamp(min=0)].float() * has_draft[:, None] if store.shape[0] else torch.zeros_like(p)
+    q = torch.zeros_like(p)
+    if store.shape[0]:
+        q = probabilities_ref(store[store_rows.clamp(min=0)], store_stats, temperature) * has_draft[:, None]
     residual = (p - q).clamp(min=0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
     return keyed_sample_ref(residual, keys)
+
+
+def probabilities_at_ref(
+    values: torch.Tensor,  # [n, vocab] probabilities, or logits (stats)
+    rows: torch.Tensor,  # [...] int64 rows of `values`
+    tokens: torch.Tensor,  # [...] int64, the shape of `rows`
+    stats: torch.Tensor | None = None,  # [n, 2] fp32: `values` are logits
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Reference (and CPU backend) of `probabilities_at`: the probability of `tokens[i]` in row `rows[i]`,
+    float32, the shape of `rows`."""
+    flat_rows = rows.reshape(-1).long()
+    probs = probabilities_ref(values[flat_rows], stats, temperature)
+    return probs.gather(1, tokens.reshape(-1, 1).long()).view(rows.shape)
+
+
+@triton.jit
+def tempered_probability(x, temperature, row_max, inv_sum):
+    """A row's probability of logits `x` (fp32) from its `tempered_softmax.softmax_stats` (row maximum of
+    x / T, inverse sum): every kernel that reads a distribution from its logits (the softmax's write
+    pass, the samplers, `probabilities_at`) computes it with this one expression, so they agree to the bit."""
+    return tl.exp2((x / temperature - row_max) * _LOG2E) * inv_sum
 
 
 @triton.jit
@@ -126,23 +166,27 @@ def _hash32(x):
 
 @triton.jit
 def _keyed_sample_kernel(
-    probs_ptr,  # [n, vocab]
+    probs_ptr,  # [n, vocab] probabilities, or logits (FROM_LOGITS)
     keys_ptr,  # [num_rows, 2] int32 or int64
     out_ptr,  # [num_rows] int64 (one split) or [num_rows, num_splits] int64 (the splits' best indices)
     best_ptr,  # [num_rows, num_splits] fp32, each split's best score (SPLIT)
     rows_ptr,  # [num_rows] int64 row of probs per draw (RESIDUAL; else row r reads row r)
-    store_ptr,  # [m, vocab] subtracted rows (RESIDUAL)
+    store_ptr,  # [m, vocab] subtracted rows (RESIDUAL), probabilities or logits (FROM_LOGITS)
     store_rows_ptr,  # [num_rows] int64 row of store per draw, -1: none (RESIDUAL)
     fallback_out_ptr,  # as out_ptr: the best of p itself (RESIDUAL)
     fallback_best_ptr,  # as best_ptr (RESIDUAL, SPLIT)
+    stats_ptr,  # [n, 2] fp32 (FROM_LOGITS): each row's `softmax_stats`
+    store_stats_ptr,  # [m, 2] fp32 (FROM_LOGITS, RESIDUAL): the store rows' stats
     vocab,
     split_size,  # vocabulary entries per split, a multiple of BLOCK_V
     stride_probs_row,
     stride_keys_row,
     stride_store_row,
+    temperature,
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
     RESIDUAL: tl.constexpr,  # race over max(p - q, 0), and over p for the rows where that is all zero
+    FROM_LOGITS: tl.constexpr,  # rows are logits: p = tempered_probability(x, T, row stats)
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -157,6 +201,18 @@ def _keyed_sample_kernel(
         source = tl.load(rows_ptr + row).to(tl.int64)
         store_row = tl.load(store_rows_ptr + row).to(tl.int64)
         has_draft = (tl.zeros([BLOCK_V], tl.int64) + store_row) >= 0
+    store_row = tl.maximum(store_row, 0)
+    row_max = tl.full([], 0.0, tl.float32)
+    inv_sum = row_max
+    store_max = row_max
+    store_inv_sum = row_max
+    if FROM_LOGITS:
+        row_max = tl.load(stats_ptr + source * 2)
+        inv_sum = tl.load(stats_ptr + source * 2 + 1)
+        if RESIDUAL:
+            store_max = tl.load(store_stats_ptr + store_row * 2)
+            store_inv_sum = tl.load(store_stats_ptr + store_row * 2 + 1)
+    missing = float("-inf") if FROM_LOGITS else 0.0  # what a masked load reads: probability 0
     best = tl.full([], -1.0, tl.float32)
     best_index = tl.full([], 0, tl.int64)
     fallback = tl.full([], -1.0, tl.float32)
@@ -166,13 +222,17 @@ def _keyed_sample_kernel(
     for start in range(first, last, BLOCK_V):
         index = start + offs
         mask = index < last
-        p = tl.load(probs_ptr + source * stride_probs_row + index, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(probs_ptr + source * stride_probs_row + index, mask=mask, other=missing).to(tl.float32)
+        if FROM_LOGITS:
+            p = tempered_probability(p, temperature, row_max, inv_sum)
         h = _hash32(key_lo ^ _hash32(key_hi ^ index.to(tl.uint32)))
         uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         exponential = -tl.log(uniform)
         if RESIDUAL:
-            q_ptr = store_ptr + tl.maximum(store_row, 0) * stride_store_row + index
-            q = tl.load(q_ptr, mask=mask & has_draft, other=0.0).to(tl.float32)
+            q_ptr = store_ptr + store_row * stride_store_row + index
+            q = tl.load(q_ptr, mask=mask & has_draft, other=missing).to(tl.float32)
+            if FROM_LOGITS:
+                q = tempered_probability(q, temperature, store_max, store_inv_sum)
             p_score = tl.where(mask, p / exponential, -1.0)
             block_fallback = tl.max(p_score, axis=0)
             fallback_block_index = tl.argmax(p_score, axis=0).to(tl.int64) + start
@@ -316,7 +376,16 @@ def splits_block(vocab: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, vocabulary_block(vocab)))
 
 
-def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def _check_stats(name: str, stats: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor | None:
+    if stats is None:
+        return None
+    check_tensor(name, stats, dtypes=(torch.float32,), device=device, shape=(rows, 2))
+    return stats.contiguous()
+
+
+def keyed_sample(
+    probs: torch.Tensor, keys: torch.Tensor, stats: torch.Tensor | None = None, temperature: float = 1.0
+) -> torch.Tensor:
     """Triton `keyed_sample_ref`.
 
     A few hundred rows would leave most of the GPU idle at one program per row (a draft iteration's
@@ -327,29 +396,44 @@ def keyed_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     not on the rows, so no row count compiles a variant in the middle of decoding.
 
     Args:
-        probs: `[num_rows, vocab]` fp16/bf16/fp32 unnormalised probabilities (>= 0), unit stride over vocab.
+        probs: `[num_rows, vocab]` fp16/bf16/fp32 unnormalised probabilities (>= 0), unit stride over vocab;
+            with `stats`, the rows' logits instead.
         keys: `[num_rows, 2]` int32/int64, each row's key (high word, low word) as bit patterns.
+        stats: None, or `[num_rows, 2]` float32 `tempered_softmax.softmax_stats(probs, temperature)`: the rows
+            are then `softmax(probs / temperature)`, read from the logits (`tempered_probability`: the tokens
+            are those of `keyed_sample(tempered_softmax(probs, temperature), keys)`, to the bit).
+        temperature: with `stats`, the temperature they were computed at.
     Returns:
         `[num_rows]` int64 tokens.
     """
     check_tensor("probs", probs, ndim=2, dtypes=HALF_AND_FLOAT, device=probs.device)
     check_tensor("keys", keys, dtypes=(torch.int32, torch.int64), device=probs.device, shape=(probs.shape[0], 2))
-    return _race(probs, keys, None)
+    stats = _check_stats("stats", stats, probs.shape[0], probs.device)
+    return _race(probs, keys, None, stats, None, temperature)
 
 
 def keyed_sample_residual(
-    probs: torch.Tensor, rows: torch.Tensor, store: torch.Tensor, store_rows: torch.Tensor, keys: torch.Tensor
+    probs: torch.Tensor,
+    rows: torch.Tensor,
+    store: torch.Tensor,
+    store_rows: torch.Tensor,
+    keys: torch.Tensor,
+    stats: torch.Tensor | None = None,
+    store_stats: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Triton `keyed_sample_residual_ref`: one token per draw from `max(probs[rows[r]] - store[store_rows[r]],
     0)` (nothing subtracted where `store_rows[r]` is -1), or from `probs[rows[r]]` where that is zero
     everywhere, with `keyed_sample`'s noise; the rows are read in place (no gathered copies).
 
     Args:
-        probs: `[n, vocab]` fp16/bf16/fp32 (>= 0), unit stride over vocab.
+        probs: `[n, vocab]` fp16/bf16/fp32 (>= 0), unit stride over vocab; with `stats`, logits.
         rows: `[num_rows]` int32/int64 rows of `probs`, each in [0, n).
-        store: `[m, vocab]` fp16/bf16/fp32 (>= 0), unit stride over vocab.
+        store: `[m, vocab]` fp16/bf16/fp32 (>= 0), unit stride over vocab; with `stats`, logits.
         store_rows: `[num_rows]` int32/int64 rows of `store`, each in [-1, m).
         keys: `[num_rows, 2]` int32/int64, each draw's key.
+        stats, store_stats: None (probabilities), or both: `[n, 2]` and `[m, 2]` float32 `softmax_stats` of
+            `probs` and of `store` at `temperature` (as `keyed_sample`).
     Returns:
         `[num_rows]` int64 tokens.
     """
@@ -359,36 +443,108 @@ def keyed_sample_residual(
     check_tensor("store", store, ndim=2, dtypes=HALF_AND_FLOAT, device=probs.device, shape=(None, vocab))
     check_tensor("store_rows", store_rows, dtypes=(torch.int32, torch.int64), device=probs.device, shape=(num_rows,))
     check_tensor("keys", keys, dtypes=(torch.int32, torch.int64), device=probs.device, shape=(num_rows, 2))
+    if (stats is None) != (store_stats is None):
+        raise ValueError("stats, store_stats: expected both (probs and store hold logits) or neither")
+    stats = _check_stats("stats", stats, probs.shape[0], probs.device)
+    store_stats = _check_stats("store_stats", store_stats, store.shape[0], probs.device)
     store = store if store.stride(1) == 1 else store.contiguous()
-    return _race(probs, keys, (rows.contiguous(), store, store_rows.contiguous()))
+    return _race(probs, keys, (rows.contiguous(), store, store_rows.contiguous()), stats, store_stats, temperature)
 
 
-def _race(probs: torch.Tensor, keys: torch.Tensor, residual: tuple | None) -> torch.Tensor:
+def _race(probs: torch.Tensor, keys: torch.Tensor, residual: tuple | None, stats: torch.Tensor | None,
+          store_stats: torch.Tensor | None, temperature: float) -> torch.Tensor:  # fmt: skip
     """The exponential race of `keyed_sample` over `keys`' rows: `residual` (rows, store, store_rows)
-    reads each draw's row of `probs` and subtracts its store row; None: row r of `probs` as it is."""
+    reads each draw's row of `probs` and subtracts its store row; None: row r of `probs` as it is.
+    `stats` (and `store_stats` with `residual`): the rows are logits."""
     num_rows, vocab = keys.shape[0], probs.shape[1]
     out = torch.empty(num_rows, dtype=torch.long, device=probs.device)
     if num_rows == 0:
         return out
+    if stats is not None and not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
     probs = probs if probs.stride(1) == 1 else probs.contiguous()
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     rows, store, store_rows = residual if residual is not None else (out, probs, out)
+    from_logits = stats is not None
+    stats = stats if from_logits else probs  # unread without FROM_LOGITS
+    store_stats = store_stats if store_stats is not None else stats
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SAMPLE_PROGRAMS_PER_SM, probs.device)
     warps = 4 if block >= 1024 else 1
-    common = dict(BLOCK_V=block, RESIDUAL=residual is not None, num_warps=warps)
-    strides = (probs.stride(0), keys.stride(0), store.stride(0))
+    common = dict(BLOCK_V=block, RESIDUAL=residual is not None, FROM_LOGITS=from_logits, num_warps=warps)
+    strides = (probs.stride(0), keys.stride(0), store.stride(0), float(temperature))
     if block >= vocab:  # one block: one split whatever the rows
         _keyed_sample_kernel[(num_rows, 1)](
-            probs, keys, out, out, rows, store, store_rows, out, out, vocab, split_size, *strides, SPLIT=False, **common
+            probs, keys, out, out, rows, store, store_rows, out, out, stats, store_stats, vocab, split_size, *strides,
+            SPLIT=False, **common,
         )  # fmt: skip
         return out
     best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=probs.device)
     index = torch.empty(num_rows, num_splits, dtype=torch.long, device=probs.device)
     fallback_best, fallback_index = (torch.empty_like(best), torch.empty_like(index)) if residual else (best, index)
     _keyed_sample_kernel[(num_rows, num_splits)](
-        probs, keys, index, best, rows, store, store_rows, fallback_index, fallback_best, vocab, split_size, *strides,
-        SPLIT=True, **common,
+        probs, keys, index, best, rows, store, store_rows, fallback_index, fallback_best, stats, store_stats, vocab,
+        split_size, *strides, SPLIT=True, **common,
     )  # fmt: skip
     _fold_splits_kernel[(num_rows,)](best, index, out, fallback_best, fallback_index, num_splits,
                                      BLOCK_S=splits_block(vocab), RESIDUAL=residual is not None)  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["n"])
+def _probabilities_at_kernel(
+    values_ptr,  # [num_rows, vocab] probabilities, or logits (FROM_LOGITS)
+    stats_ptr,  # [num_rows, 2] fp32 (FROM_LOGITS)
+    rows_ptr,  # [n] int64
+    tokens_ptr,  # [n] int64
+    out_ptr,  # [n] fp32
+    n,
+    stride_row,
+    temperature,
+    BLOCK: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = tl.load(rows_ptr + offs, mask=mask, other=0).to(tl.int64)
+    token = tl.load(tokens_ptr + offs, mask=mask, other=0).to(tl.int64)
+    x = tl.load(values_ptr + row * stride_row + token, mask=mask, other=0.0).to(tl.float32)
+    if FROM_LOGITS:
+        row_max = tl.load(stats_ptr + row * 2, mask=mask, other=0.0)
+        inv_sum = tl.load(stats_ptr + row * 2 + 1, mask=mask, other=0.0)
+        x = tempered_probability(x, temperature, row_max, inv_sum)
+    tl.store(out_ptr + offs, x, mask=mask)
+
+
+def probabilities_at(
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    stats: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Triton `probabilities_at_ref` in one launch: the probability of `tokens[i]` in row `rows[i]` of
+    `values` (probabilities, or with `stats` logits read as `keyed_sample` reads them, to the bit), float32,
+    the shape of `rows`: the acceptance test's p and q of every draft.
+
+    Args:
+        values: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
+        rows, tokens: int32/int64 of one shape, `rows` in [0, num_rows), `tokens` in [0, vocab).
+        stats: None, or `[num_rows, 2]` float32 `softmax_stats(values, temperature)`.
+    """
+    check_tensor("values", values, ndim=2, dtypes=HALF_AND_FLOAT, device=values.device)
+    check_tensor("rows", rows, dtypes=(torch.int32, torch.int64), device=values.device)
+    check_tensor("tokens", tokens, dtypes=(torch.int32, torch.int64), device=values.device, shape=tuple(rows.shape))
+    stats = _check_stats("stats", stats, values.shape[0], values.device)
+    if stats is not None and not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if values.stride(1) != 1:
+        raise ValueError(f"values: expected a unit-stride last dimension, got strides {values.stride()}")
+    out = torch.empty(rows.shape, dtype=torch.float32, device=values.device)
+    n = out.numel()
+    if n:
+        _probabilities_at_kernel[(triton.cdiv(n, KEYS_PER_PROGRAM),)](
+            values, stats if stats is not None else values, rows.reshape(-1).contiguous(),
+            tokens.reshape(-1).contiguous(), out, n, values.stride(0), float(temperature), BLOCK=KEYS_PER_PROGRAM,
+            FROM_LOGITS=stats is not None,
+        )  # fmt: skip
     return out

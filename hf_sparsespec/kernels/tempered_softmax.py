@@ -9,12 +9,19 @@ plus the write of the probabilities.
 
 `tempered_softmax_ref` (the torch backend, and what the engine ran before): `softmax(logits.float() /
 temperature)`, exactly transformers' processor then `torch.softmax`. Triton: a row's vocabulary is
-split over several programs when the rows alone would not fill the device. Two launches with grids
-fixed by the shapes (CUDA-graph safe):
+split over several programs when the rows alone would not fill the device. Launches with grids fixed
+by the shapes (CUDA-graph safe):
 - `_softmax_partials_kernel`: each (row, split) program's running maximum and its sum of
   `exp(x - max)` over its split;
-- `_softmax_write_kernel`: each program folds its row's partials into the row's maximum and sum, then
-  writes `exp(x - max) / sum` over its split.
+- `_softmax_stats_kernel`: each row's partials folded into its maximum and inverse sum
+  (`softmax_stats`);
+- `_softmax_write_kernel`: `exp(x - max) / sum` over each split (`tempered_probability`).
+
+The engine stops at `softmax_stats`: its sampler, acceptance and drafts' store read the probabilities
+they need from the model's logits and these two numbers a row (`tempered_probability`, the same bits
+as the written probabilities), so the float32 `[rows, vocab]` matrix is never written: at 256 requests
+(~500 rows x 152K) that was 300 MB written, then the one-token rows' 140 MB read by the sampler and
+copied again into the drafts' store (which now keeps the drafts' logits, half the bytes, and stats).
 
 `truncated_softmax` (`LogitsPipeline.fused_truncation`: temperature -> top-k -> top-p, the models' own
 sampling configs) takes the same pair of passes around one `torch.topk`: the candidates give the row's
@@ -33,7 +40,7 @@ import triton
 import triton.language as tl
 
 from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
-from hf_sparsespec.kernels.keyed_sample import splits_block, vocabulary_splits
+from hf_sparsespec.kernels.keyed_sample import splits_block, tempered_probability, vocabulary_splits
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -42,6 +49,15 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 def tempered_softmax_ref(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """`[rows, vocab]` float32 probabilities of `logits / temperature` (transformers' order of ops)."""
     return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def softmax_stats_ref(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`[rows, 2]` float32: each row's maximum of `logits / temperature` (0 where it is -inf) and the
+    inverse of its sum of `exp(logits / temperature - maximum)`."""
+    scores = logits.float() / temperature
+    row_max = scores.amax(dim=-1)
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+    return torch.stack([row_max, 1.0 / torch.exp(scores - row_max[:, None]).sum(dim=-1)], dim=-1)
 
 
 def top_p_cut(
@@ -128,23 +144,16 @@ def _softmax_partials_kernel(
     tl.store(sum_ptr + row * num_splits + split, running_sum)
 
 
-@triton.jit
-def _softmax_write_kernel(
-    logits_ptr,  # [num_rows, vocab]
+@triton.jit(do_not_specialize=["num_splits"])
+def _softmax_stats_kernel(
     max_ptr,  # [num_rows, num_splits] fp32
     sum_ptr,  # [num_rows, num_splits] fp32
-    probs_ptr,  # [num_rows, vocab] fp32
-    vocab,
-    split_size,
-    stride_row,
-    stride_probs_row,
-    temperature,
-    BLOCK_V: tl.constexpr,
+    stats_ptr,  # [num_rows, 2] fp32 out: (row maximum, 0 where it is -inf; 1 / sum of exp(x - maximum))
+    num_splits,
+    stride_stats_row,
     BLOCK_S: tl.constexpr,  # splits_block(vocab): >= num_splits
 ):
     row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
     splits = tl.arange(0, BLOCK_S)
     valid = splits < num_splits
     maxima = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))
@@ -152,7 +161,27 @@ def _softmax_write_kernel(
     row_max = tl.max(maxima, axis=0)
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     weights = tl.where(maxima == float("-inf"), 0.0, tl.exp2((maxima - safe_max) * _LOG2E))
-    inv_sum = 1.0 / tl.sum(sums * weights, axis=0)
+    tl.store(stats_ptr + row * stride_stats_row, safe_max)
+    tl.store(stats_ptr + row * stride_stats_row + 1, 1.0 / tl.sum(sums * weights, axis=0))
+
+
+@triton.jit
+def _softmax_write_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    stats_ptr,  # [num_rows, 2] fp32 (softmax_stats)
+    probs_ptr,  # [num_rows, vocab] fp32
+    vocab,
+    split_size,
+    stride_row,
+    stride_stats_row,
+    stride_probs_row,
+    temperature,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    row_max = tl.load(stats_ptr + row * stride_stats_row)
+    inv_sum = tl.load(stats_ptr + row * stride_stats_row + 1)
     offs = tl.arange(0, BLOCK_V)
     first = split * split_size
     last = tl.minimum(first + split_size, vocab)
@@ -160,12 +189,41 @@ def _softmax_write_kernel(
         index = start + offs
         mask = index < last
         x = tl.load(logits_ptr + row * stride_row + index, mask=mask, other=float("-inf")).to(tl.float32)
-        p = tl.exp2((x / temperature - safe_max) * _LOG2E) * inv_sum
-        tl.store(probs_ptr + row * stride_probs_row + index, p, mask=mask)
+        tl.store(probs_ptr + row * stride_probs_row + index, tempered_probability(x, temperature, row_max, inv_sum),
+                 mask=mask)  # fmt: skip
+
+
+def softmax_stats(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Triton `softmax_stats_ref`: each row's `(maximum of logits / T, 1 / sum of exp(logits / T -
+    maximum))`, `[num_rows, 2]` float32, from one read of the logits (two launches with grids fixed by
+    the shapes). With them a kernel reads any probability of the row straight from the logits
+    (`tempered_probability`), bit for bit what `tempered_softmax` writes.
+
+    Args:
+        logits: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
+        temperature: a float > 0.
+    """
+    check_tensor("logits", logits, ndim=2, dtypes=HALF_AND_FLOAT, device=logits.device)
+    if not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    num_rows, vocab = logits.shape
+    stats = torch.empty(num_rows, 2, dtype=torch.float32, device=logits.device)
+    if num_rows == 0 or vocab == 0:
+        return stats
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)
+    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    sums = torch.empty_like(maxima)
+    warps = 4 if block >= 1024 else 1
+    _softmax_partials_kernel[(num_rows, num_splits)](
+        logits, maxima, sums, vocab, split_size, logits.stride(0), float(temperature), BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+    _softmax_stats_kernel[(num_rows,)](maxima, sums, stats, num_splits, stats.stride(0), BLOCK_S=splits_block(vocab))
+    return stats
 
 
 def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Triton `tempered_softmax_ref`.
+    """Triton `tempered_softmax_ref`: `softmax_stats`, then one pass writing the probabilities.
 
     Args:
         logits: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
@@ -173,25 +231,16 @@ def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     Returns:
         `[num_rows, vocab]` float32 probabilities.
     """
-    check_tensor("logits", logits, ndim=2, dtypes=HALF_AND_FLOAT, device=logits.device)
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    stats = softmax_stats(logits, temperature)
     num_rows, vocab = logits.shape
     probs = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
     if num_rows == 0 or vocab == 0:
         return probs
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)
-    maxima = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-    sums = torch.empty_like(maxima)
-    warps = 4 if block >= 1024 else 1
-    temperature = float(temperature)
-    _softmax_partials_kernel[(num_rows, num_splits)](
-        logits, maxima, sums, vocab, split_size, logits.stride(0), temperature, BLOCK_V=block, num_warps=warps,
-    )  # fmt: skip
     _softmax_write_kernel[(num_rows, num_splits)](
-        logits, maxima, sums, probs, vocab, split_size, logits.stride(0), probs.stride(0), temperature,
-        BLOCK_V=block, BLOCK_S=splits_block(vocab), num_warps=warps,
+        logits, stats, probs, vocab, split_size, logits.stride(0), stats.stride(0), probs.stride(0), float(temperature),
+        BLOCK_V=block, num_warps=4 if block >= 1024 else 1,
     )  # fmt: skip
     return probs
 

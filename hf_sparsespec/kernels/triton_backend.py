@@ -14,7 +14,13 @@ import torch
 
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
 from hf_sparsespec.kernels.induction_keys import write_induction_keys
-from hf_sparsespec.kernels.keyed_sample import keyed_sample, keyed_sample_residual, keyed_uniform, position_keys
+from hf_sparsespec.kernels.keyed_sample import (
+    keyed_sample,
+    keyed_sample_residual,
+    keyed_uniform,
+    position_keys,
+    probabilities_at,
+)
 from hf_sparsespec.kernels.mixed_attention import mixed_attention
 from hf_sparsespec.kernels.pillar_select import (
     gather_queries,
@@ -25,7 +31,7 @@ from hf_sparsespec.kernels.pillar_select import (
 from hf_sparsespec.kernels.shifts import shift_speculative_rows
 from hf_sparsespec.kernels.store_kv import store_kv
 from hf_sparsespec.kernels.store_rows import store_rows
-from hf_sparsespec.kernels.tempered_softmax import tempered_softmax, truncated_softmax
+from hf_sparsespec.kernels.tempered_softmax import softmax_stats, tempered_softmax, truncated_softmax
 
 
 class TritonBackend:
@@ -71,11 +77,15 @@ class TritonBackend:
     ) -> None:  # fmt: skip
         select_verified_keys(scores, num_old_keys, budgets, selected, slots, offsets, best, group, num_selectable_keys)
 
-    def keyed_sample(self, probs, keys) -> torch.Tensor:
-        return keyed_sample(probs, keys)
+    def keyed_sample(self, probs, keys, stats=None, temperature=1.0) -> torch.Tensor:
+        return keyed_sample(probs, keys, stats, temperature)
 
-    def keyed_sample_residual(self, probs, rows, store, store_rows, keys) -> torch.Tensor:
-        return keyed_sample_residual(probs, rows, store, store_rows, keys)
+    def keyed_sample_residual(self, probs, rows, store, store_rows, keys, stats=None, store_stats=None,
+                              temperature=1.0) -> torch.Tensor:  # fmt: skip
+        return keyed_sample_residual(probs, rows, store, store_rows, keys, stats, store_stats, temperature)
+
+    def probabilities_at(self, values, rows, tokens, stats=None, temperature=1.0) -> torch.Tensor:
+        return probabilities_at(values, rows, tokens, stats, temperature)
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys(streams, positions)
@@ -85,6 +95,9 @@ class TritonBackend:
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor:
         return tempered_softmax(logits, temperature)
+
+    def softmax_stats(self, logits, temperature) -> torch.Tensor:
+        return softmax_stats(logits, temperature)
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
         return truncated_softmax(logits, temperature, top_k, top_p, min_tokens_to_keep)

@@ -85,14 +85,17 @@ def test_sampling_and_softmax_compile_one_variant_for_every_row_count(monkeypatc
     falls as the rows grow (interpreter: 4 SMs, so 1 to 32 splits of a 151,936-token vocabulary); one
     split a row must not switch `keyed_sample` to its single-launch variant."""
     names = {
-        keyed_sample: ("_keyed_sample_kernel", "_fold_splits_kernel"),
-        tempered_softmax: ("_softmax_partials_kernel", "_softmax_write_kernel"),
+        keyed_sample: ("_keyed_sample_kernel", "_fold_splits_kernel", "_probabilities_at_kernel"),
+        tempered_softmax: ("_softmax_partials_kernel", "_softmax_stats_kernel", "_softmax_write_kernel"),
     }
     recorders = {name: recorded(monkeypatch, module, name) for module, pair in names.items() for name in pair}
     splits = set()
     for num_rows in (1, 2, 3, 5, 8, 13, 31, 64, 300):
         logits = torch.zeros(num_rows, vocab, dtype=torch.float16)
-        keyed_sample.keyed_sample(logits, torch.zeros(num_rows, 2, dtype=torch.int64))
+        stats = torch.zeros(num_rows, 2)  # the engine's path with temperature alone: draws from the logits
+        keyed_sample.keyed_sample(logits, torch.zeros(num_rows, 2, dtype=torch.int64), stats, 0.7)
+        rows = torch.arange(num_rows)
+        keyed_sample.probabilities_at(logits, rows, rows, stats, 0.7)
         tempered_softmax.tempered_softmax(logits, 0.7)
         splits.add(keyed_sample.vocabulary_splits(num_rows, vocab, keyed_sample.SAMPLE_PROGRAMS_PER_SM,
                                                   logits.device)[2])  # fmt: skip
@@ -103,16 +106,19 @@ def test_sampling_and_softmax_compile_one_variant_for_every_row_count(monkeypatc
         assert max(splits) <= keyed_sample.splits_block(vocab)
 
 
+@pytest.mark.parametrize("from_logits", [False, True], ids=["probabilities", "logits"])
 @pytest.mark.parametrize("vocab", [100, 4097, 151_936])
-def test_residual_draws_compile_one_variant_for_every_row_count(monkeypatch, vocab):
+def test_residual_draws_compile_one_variant_for_every_row_count(monkeypatch, vocab, from_logits):
     """The verifications' recovered tokens: 1 to 36 draws (a batch's tail to the first graph), rows of
-    the step's probabilities and of the drafts' store, which keep their widths."""
+    the step's distributions and of the drafts' store, which keep their widths."""
     recorders = [recorded(monkeypatch, keyed_sample, name) for name in ("_keyed_sample_kernel", "_fold_splits_kernel")]
     probs, store = torch.zeros(400, vocab), torch.zeros(300, vocab)
+    stats = (torch.zeros(400, 2), torch.zeros(300, 2)) if from_logits else (None, None)
     for num_rows in (36, 32, 13, 7, 2, 1):
         rows = torch.arange(num_rows) * 9
         store_rows = torch.where(rows % 2 == 0, rows, -1)
-        keyed_sample.keyed_sample_residual(probs, rows, store, store_rows, torch.zeros(num_rows, 2, dtype=torch.int64))
+        keyed_sample.keyed_sample_residual(probs, rows, store, store_rows, torch.zeros(num_rows, 2, dtype=torch.int64),
+                                           *stats, 0.7)  # fmt: skip
     for recorder in recorders:
         assert len(set(recorder.variants)) <= 1
     assert len(recorders[0].variants) == 6

@@ -53,6 +53,38 @@ def test_top_k_top_p_sampling_on_triton_backend_draws_the_unfused_tokens(device,
     assert (out[:, 14:] != 7).all()
 
 
+@pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
+def test_temperature_only_sampling_on_triton_backend_reads_the_logits(num_draft_tokens, device, monkeypatch):
+    """Temperature alone after a min-length ban: the Triton backend draws, accepts and recovers from the
+    logits and each row's `softmax_stats` (the drafts' store keeps logits, in the model's dtype), and
+    gives exactly the tokens of the processors-then-softmax path."""
+    from models import assert_fused_draws_the_unfused_tokens
+
+    from hf_sparsespec.kernels.triton_backend import TritonBackend
+    from hf_sparsespec.runner import ModelRunner
+
+    stores = []
+    original = ModelRunner._store_drafts
+    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
+                        or original(self, *args))  # fmt: skip
+    model = tiny_model("qwen2").to(torch.float16 if device.type == "cpu" else torch.bfloat16).to(device)
+    ids, mask = (x.to(device) for x in ragged_batch([9, 14]))
+    config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=4, page_size=4, backend="triton")
+    sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, min_new_tokens=12, eos_token_id=7,
+                  max_new_tokens=16, generation_strategy="sparsespec", sparsespec_config=config,
+                  return_dict_in_generate=True)  # fmt: skip
+    out = assert_fused_draws_the_unfused_tokens(
+        monkeypatch, TritonBackend, "softmax_stats", "fused_temperature",
+        lambda: model.generate(input_ids=ids, attention_mask=mask, **sample),
+    )  # fmt: skip
+    assert (out.sequences[:, 14:26] != 7).all()
+    if num_draft_tokens:
+        store = stores[0]
+        assert store.from_logits and store.values.dtype == model.dtype and store.stats.dtype == torch.float32
+        total = out.sparsespec_stats.total
+        assert 0 < total.accepted_drafts < total.drafted_tokens  # both acceptance and recovery ran
+
+
 @pytest.mark.parametrize("after_forward", [False, True], ids=["per-layer", "after-forward"])
 def test_every_scoring_launch_pads_its_rows_to_the_workspace(after_forward, device, monkeypatch):
     """The engine passes its scores workspace's rows as `max_rows` to every scoring launch, whatever
