@@ -92,6 +92,7 @@ from triton.testing import do_bench
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec import batch as batch_builder
+from hf_sparsespec import runner as model_runner
 from hf_sparsespec.attention import use_attention
 from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
@@ -193,6 +194,7 @@ MODULE_SUFFIXES = (
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
+    ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: temperature's probabilities written out, as before
 )
 
 
@@ -546,8 +548,10 @@ def run_hf_static(model, prompts, batch: int, pad: int, device, settings: dict, 
 
 def ar_baseline(label: str, runs: dict) -> str | None:
     """The AR run a run of the report is compared with: the first AR run (no drafts) whose forward is the
-    run's (`compile_forward`, whether it packs the projections), else the first AR run, else None. So in
-    one process `..._unpacked` compares with `ar_compiled_unpacked` and the others with `ar_compiled`."""
+    run's (`compile_forward`, whether it packs the projections) and whose module settings (`MODULE_SUFFIXES`)
+    are the run's, else the first with its forward, else the first AR run, else None. So in one process
+    `..._unpacked` compares with `ar_compiled_unpacked`, `..._fromlogits0` with `ar_compiled_fromlogits0` when
+    there is one, and the others with `ar_compiled`."""
 
     def config(name: str) -> SparseSpecConfig | None:
         try:
@@ -558,10 +562,14 @@ def ar_baseline(label: str, runs: dict) -> str | None:
     def forward(c: SparseSpecConfig) -> tuple:
         return c.compile_forward, c.packs_projections
 
+    def settings(name: str) -> list:
+        return split_module_settings(name.split("+")[0])[1]
+
     ar_runs = {name: c for name in runs if (c := config(name)) is not None and c.num_draft_tokens == 0}
     own = config(label)
     same = [name for name, c in ar_runs.items() if own is not None and forward(c) == forward(own)]
-    return (same or list(ar_runs) or [None])[0]
+    alike = [name for name in same if settings(name) == settings(label)]
+    return (alike or same or list(ar_runs) or [None])[0]
 
 
 def print_tables(report: dict) -> None:

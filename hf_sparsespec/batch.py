@@ -369,7 +369,7 @@ class BatchBuilder:
         a["logits_stream"], a["accept_key"] = self._keys(request_id, logits_row, real, offset, is_draft, vr, v_first,
                                                          pad_v)  # fmt: skip
 
-        # --- one-token rows and first tokens: where sampled tokens (and draft probabilities) go ---
+        # --- one-token rows and first tokens: where sampled tokens (and the drafts' distributions) go ---
         a["single_write"] = _pad(row_base[sr] + context[sr], pad_s, dummy_base)
         # each draft's distribution is stored for its verification; plain steps and padding store nothing (-1)
         a["single_prob_index"] = _pad(np.concatenate([np.full(n_pl, -1), slot[dr] * k + draft_step[dr] - 1]), pad_s, -1)

@@ -24,7 +24,7 @@ The `"dynamic"` policy (`SparseSpecConfig.kv_policy`, the default):
 
 What an offloaded request keeps: its host-side state (phase, place in its cycle, committed tokens,
 statistics) and its device slot. Its row of the token buffer (drafts included: their values exist only
-there), its draft probabilities and its PillarAttn selection stay in the per-slot device buffers,
+there), its drafts' distributions and its PillarAttn selection stay in the per-slot device buffers,
 untouched while it is away, so nothing but its pages moves and it continues exactly where it stopped.
 Slots bound admitted requests (running or away); since nothing new is admitted while a request is away,
 a held slot never keeps out a request that could run.

@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 # finish at different iterations passes through a few hundred padded shapes (a cap of 64 left 3,155 of
 # 17,501 iterations eager at 256 x 8192)
 MAX_GRAPHS = 512
+# With temperature alone, read the distributions from the logits and each row's stats (no float32
+# probabilities written; the drafts' store keeps logits). 0 writes them (`tempered_softmax`), as
+# before: the same tokens, kept as an ablation (`benchmarks/e2e_throughput.py`'s `_fromlogits0` runs).
+SAMPLE_FROM_LOGITS = 1
 
 
 @dataclass
@@ -117,7 +121,8 @@ class ModelRunner:
         self.token_buffer = torch.zeros((num_slots + 1, history_width), dtype=torch.long, device=device)
         # temperature alone (min-length bans aside): the distributions are read from the logits and each
         # row's stats, never written out (`kernels.tempered_softmax`); the drafts' store keeps logits too
-        self.temperature = pipeline.fused_temperature if do_sample else None
+        self.written_temperature = pipeline.fused_temperature if do_sample and not SAMPLE_FROM_LOGITS else None
+        self.temperature = pipeline.fused_temperature if do_sample and SAMPLE_FROM_LOGITS else None
         self.draft_store: Distributions | None = None  # the drafts' distributions until their verification
         if do_sample and k > 0:
             rows = (num_slots + 1) * k
@@ -435,6 +440,9 @@ class ModelRunner:
         if self.temperature is not None:  # one pass over the model's logits: each row's stats
             logits = self._logits_for_store(self.pipeline.ban_eos_in_place(logits, rows))
             dists = Distributions(logits, self.backend.softmax_stats(logits, self.temperature), self.temperature)
+        elif self.written_temperature is not None:  # the ablation: the probabilities written out
+            logits = self.pipeline.ban_eos_in_place(logits, rows)
+            dists = Distributions(self.backend.tempered_softmax(logits, self.written_temperature))
         elif self.do_sample and truncation is not None:  # top-k / top-p without sorting the vocabulary
             t = truncation
             if t.bans_only:  # in place on the model's logits, as the temperature-only path

@@ -355,6 +355,12 @@ def test_each_run_is_compared_with_the_autoregressive_run_of_its_forward():
     assert ar_baseline("pillar", runs) == "ar+reserve"  # the eager AR run (a label with its KV policy)
     assert ar_baseline("hf_static", runs) == "ar_compiled_unpacked"  # no forward of ours: the first AR run
     assert ar_baseline("pillar", {"pillar": {}, "hf_static": {}}) is None
+    # module settings (`MODULE_SUFFIXES`): the AR run with the same ones when there is one
+    ablation = dict.fromkeys(["ar_compiled", "ar_compiled_fromlogits0", "induction_diagonal_compiled",
+                              "induction_diagonal_compiled_fromlogits0", "induction_diagonal_compiled_fullsplit512"], {})  # fmt: skip
+    assert ar_baseline("induction_diagonal_compiled_fromlogits0", ablation) == "ar_compiled_fromlogits0"
+    assert ar_baseline("induction_diagonal_compiled", ablation) == "ar_compiled"
+    assert ar_baseline("induction_diagonal_compiled_fullsplit512", ablation) == "ar_compiled"  # none alike
 
 
 def test_a_triton_compile_is_recorded_with_its_specialisation():

@@ -60,6 +60,7 @@ def test_temperature_only_sampling_on_triton_backend_reads_the_logits(num_draft_
     gives exactly the tokens of the processors-then-softmax path."""
     from models import assert_fused_draws_the_unfused_tokens
 
+    from hf_sparsespec import runner as runner_module
     from hf_sparsespec.kernels.triton_backend import TritonBackend
     from hf_sparsespec.runner import ModelRunner
 
@@ -83,6 +84,18 @@ def test_temperature_only_sampling_on_triton_backend_reads_the_logits(num_draft_
         assert store.from_logits and store.values.dtype == model.dtype and store.stats.dtype == torch.float32
         total = out.sparsespec_stats.total
         assert 0 < total.accepted_drafts < total.drafted_tokens  # both acceptance and recovery ran
+    # the ablation that writes the probabilities out (`runner.SAMPLE_FROM_LOGITS = 0`, the path before):
+    # the same tokens, to the bit of every probability the two paths read
+    monkeypatch.undo()
+    stores.clear()
+    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
+                        or original(self, *args))  # fmt: skip
+    monkeypatch.setattr(runner_module, "SAMPLE_FROM_LOGITS", 0)
+    torch.manual_seed(7)
+    written = model.generate(input_ids=ids, attention_mask=mask, **sample)
+    assert torch.equal(written.sequences, out.sequences)
+    if num_draft_tokens:
+        assert not stores[0].from_logits and stores[0].values.dtype == torch.float32
 
 
 @pytest.mark.parametrize("after_forward", [False, True], ids=["per-layer", "after-forward"])
