@@ -438,7 +438,8 @@ class ModelRunner:
         truncation = self.pipeline.fused_truncation
         dists = scores = None
         if self.temperature is not None:  # one pass over the model's logits: each row's stats
-            logits = self._logits_for_store(self.pipeline.ban_eos_in_place(logits, rows))
+            logits = self.pipeline.ban_eos_in_place(logits, rows)
+            self._match_store_dtype(logits)
             dists = Distributions(logits, self.backend.softmax_stats(logits, self.temperature), self.temperature)
         elif self.written_temperature is not None:  # the ablation: the probabilities written out
             logits = self.pipeline.ban_eos_in_place(logits, rows)
@@ -519,17 +520,18 @@ class ModelRunner:
                                               draft_rows=draft_rows, sample_residual=sample_residual, drafted=(p, q))  # fmt: skip
         return self._same_on_every_process(torch.stack([accepted, next_token]))
 
-    def _logits_for_store(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits the drafts' store can keep exactly (it is allocated in `logits_dtype(model)`)."""
+    def _match_store_dtype(self, logits: torch.Tensor) -> None:
+        """Keep the drafts' logits in the dtype the model returns them in. The store is allocated in
+        `logits_dtype(model)` (its output embeddings'); a model that returns other logits (upcast to float32
+        for a softcap, say) gets its store again at its first sampled iteration: a prefill's, eager, before
+        any graph has captured the store's address."""
         store = self.draft_store
         if store is None or logits.dtype == store.values.dtype:
-            return logits
-        if store.values.dtype == torch.float32:  # wider: exact
-            return logits.float()
-        raise NotImplementedError(
-            f"hf_sparsespec: {type(self.model).__name__} returned {logits.dtype} logits, but its output embeddings "
-            f"are {store.values.dtype}, the dtype the drafts' store keeps logits in"
-        )
+            return
+        if self.graphs:  # a captured graph writes the old store: cannot happen (prefill samples first)
+            raise RuntimeError(f"hf_sparsespec: the model's logits changed dtype to {logits.dtype} mid-generation")
+        values = torch.zeros(store.values.shape, dtype=logits.dtype, device=store.values.device)
+        self.draft_store = Distributions(values, store.stats, store.temperature)
 
     def _store_drafts(self, write_index, prob_index, draft_tokens: torch.Tensor, drafts: Distributions | None):
         """Keep this iteration's one-token rows' tokens (plain steps' committed, drafts' for the
@@ -629,8 +631,9 @@ class ModelRunner:
 
 
 def logits_dtype(model) -> torch.dtype:
-    """The dtype of the model's logits: its output embeddings' (transformers' causal LMs return the LM
-    head's output as it is), else its parameters'."""
+    """The dtype of the model's logits as most of transformers' causal LMs return them (the LM head's
+    output as it is): its output embeddings', else its parameters' (`ModelRunner._match_store_dtype`
+    follows a model that returns others)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     return weight.dtype if isinstance(weight, torch.Tensor) else next(model.parameters()).dtype

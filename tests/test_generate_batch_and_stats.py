@@ -145,6 +145,28 @@ def test_fused_sampling_path_draws_the_pipelines_tokens(monkeypatch):
     assert (out[:, 6:18] != 7).all()
 
 
+def test_logits_wider_than_the_output_embeddings_get_a_store_of_their_dtype(monkeypatch):
+    """Some models upcast their logits (a float32 softcap): with temperature alone the drafts' store, made
+    in the output embeddings' dtype, is made again in the logits' at the first sampled iteration (a
+    prefill's, before any graph), and the draws stay those of the processors-then-softmax path."""
+    from hf_sparsespec.kernels.backend import TorchBackend
+    from hf_sparsespec.runner import ModelRunner
+
+    model = tiny_model("qwen2").half()
+    model.lm_head.register_forward_hook(lambda module, args, output: output.float())
+    stores = []
+    original = ModelRunner._store_drafts
+    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store.values.dtype)
+                        or original(self, *args))  # fmt: skip
+    ids = torch.randint(1, 96, (3, 6), generator=torch.Generator().manual_seed(6))
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=3, page_size=4)
+    sample = dict(do_sample=True, temperature=0.8, top_k=0, top_p=1.0, max_new_tokens=16,
+                  generation_strategy="sparsespec", sparsespec_config=config)  # fmt: skip
+    assert_fused_draws_the_unfused_tokens(monkeypatch, TorchBackend, "softmax_stats", "fused_temperature",
+                                          lambda: model.generate(input_ids=ids, **sample), seed=2)  # fmt: skip
+    assert stores and stores[0] == torch.float32
+
+
 @pytest.mark.parametrize("history", ["repetition-penalty", "min-new-tokens"])
 @pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
 def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, history, monkeypatch):
