@@ -504,7 +504,7 @@ class ModelRunner:
         verifications' `v * (k + 1)` rows, the drafts' distributions in their store (`draft_rows [v, k]`);
         the drafted tokens' probabilities and the recovered or bonus tokens read in place."""
         v, spec = draft_tokens.shape[0], self.k + 1
-        store = self.draft_store if self.draft_store is not None else target[:0]  # k = 0: no drafts
+        store = self.draft_store  # a verification has drafts (a cycle of none is a plain step): k > 0
         verify_rows = torch.arange(v, device=self.device)
         target_rows = verify_rows[:, None] * spec + torch.arange(self.k, device=self.device)[None, :]
         p = self.backend.probabilities_at(target.values, target_rows, draft_tokens, target.stats, target.temperature)
