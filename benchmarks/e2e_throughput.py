@@ -273,6 +273,17 @@ def run_config(run: str, args, kv_policy: str) -> SparseSpecConfig:
     return SparseSpecConfig(**(fields | run_fields(run, args)))
 
 
+def resolved_config(run: str, config: SparseSpecConfig) -> dict:
+    """What a run ran with, as the report keeps it: the config's fields, the values its defaults resolved
+    to (`refresh_interval`, `packs_projections`) and the module settings of its name (`MODULE_SUFFIXES`), so
+    that a saved report reads the same after a default changes (`ar_baseline`)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    fields = {name: value for name, value in fields.items() if value is None or isinstance(value, (bool, int, float, str))}
+    settings = {name: value for _, name, value in split_module_settings(run)[1]}
+    return fields | dict(refresh_interval=config.refresh_interval, packs_projections=config.packs_projections,
+                         module_settings=settings)  # fmt: skip
+
+
 def dynamo_graphs() -> int:
     """Graphs dynamo compiled so far in this process (a compiled forward's variants)."""
     from torch._dynamo.utils import counters
@@ -553,22 +564,23 @@ def ar_baseline(label: str, runs: dict) -> str | None:
     `..._unpacked` compares with `ar_compiled_unpacked`, `..._fromlogits0` with `ar_compiled_fromlogits0` when
     there is one, and the others with `ar_compiled`."""
 
-    def config(name: str) -> SparseSpecConfig | None:
+    def config(name: str) -> dict | None:
+        """The run's resolved config: as its report recorded it, or (reports before `resolved_config`)
+        as its name reads with today's defaults."""
+        if runs.get(name, {}).get("config") is not None:
+            return runs[name]["config"]
         try:
-            return SparseSpecConfig(**run_fields(name.split("+")[0], None))  # a label may carry `+policy`
+            return resolved_config(name, SparseSpecConfig(**run_fields(name.split("+")[0], None)))  # `+policy`
         except KeyError:  # hf_static
             return None
 
-    def forward(c: SparseSpecConfig) -> tuple:
-        return c.compile_forward, c.packs_projections
+    def forward(c: dict) -> tuple:
+        return c["compile_forward"], c["packs_projections"]
 
-    def settings(name: str) -> list:
-        return split_module_settings(name.split("+")[0])[1]
-
-    ar_runs = {name: c for name in runs if (c := config(name)) is not None and c.num_draft_tokens == 0}
+    ar_runs = {name: c for name in runs if (c := config(name)) is not None and c["num_draft_tokens"] == 0}
     own = config(label)
     same = [name for name, c in ar_runs.items() if own is not None and forward(c) == forward(own)]
-    alike = [name for name in same if settings(name) == settings(label)]
+    alike = [name for name in same if ar_runs[name]["module_settings"] == own["module_settings"]]  # own: in same
     return (alike or same or list(ar_runs) or [None])[0]
 
 
@@ -748,6 +760,7 @@ def main() -> None:
                 result = run_ours(model, prompts, gen_config, config, pillar=scored, roofline=roofline)
                 result["dynamo_graphs_compiled"] = dynamo_graphs() - graphs_before  # in the timed run: > 0 is a stall
                 result["warm_seconds"] = warm_seconds
+                result["config"] = resolved_config(run, config)
             outputs[label] = result.pop("outputs"), set(result["offloaded"])
             first = f"{run}+{policies[0]}"
             if len(policies) > 1 and first in outputs and first != label:

@@ -4,6 +4,8 @@ benchmarks' run names."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -361,6 +363,34 @@ def test_each_run_is_compared_with_the_autoregressive_run_of_its_forward():
     assert ar_baseline("induction_diagonal_compiled_fromlogits0", ablation) == "ar_compiled_fromlogits0"
     assert ar_baseline("induction_diagonal_compiled", ablation) == "ar_compiled"
     assert ar_baseline("induction_diagonal_compiled_fullsplit512", ablation) == "ar_compiled"  # none alike
+
+
+def test_a_saved_report_compares_runs_by_the_config_it_recorded():
+    """A report keeps each run's resolved config (`resolved_config`), so its "vs our AR" does not move when
+    a default changes later. Here `ar_compiled` and the SparseSpec run were recorded unpacked (before
+    packing became the compiled forward's default): they compare with each other, where today's defaults
+    would read both names as packed and pick `ar_compiled_packed`, listed first."""
+    from e2e_throughput import ar_baseline, resolved_config, run_config
+
+    from hf_sparsespec import SparseSpecConfig
+
+    class Args:
+        min_budget, batch = 128, 64
+
+    def recorded(name: str, **changes) -> dict:
+        config = run_config(name, Args, "dynamic")
+        return {"config": resolved_config(name, dataclasses.replace(config, **changes))}
+
+    runs = {"ar_compiled_packed": recorded("ar_compiled_packed"),
+            "ar_compiled": recorded("ar_compiled", pack_projections=False),
+            "induction_diagonal_compiled": recorded("induction_diagonal_compiled", pack_projections=False)}  # fmt: skip
+    assert runs["ar_compiled"]["config"]["packs_projections"] is False
+    assert ar_baseline("induction_diagonal_compiled", runs) == "ar_compiled"
+    without = {name: {} for name in runs}  # reports before the field: names read with today's defaults
+    assert ar_baseline("induction_diagonal_compiled", without) == "ar_compiled_packed"
+    settings = resolved_config("induction_diagonal_compiled_fromlogits0", SparseSpecConfig())
+    assert settings["module_settings"] == {"SAMPLE_FROM_LOGITS": 0} and settings["refresh_interval"] == 4
+    json.dumps(settings)  # the report is JSON
 
 
 def test_a_triton_compile_is_recorded_with_its_specialisation():
