@@ -21,6 +21,12 @@ rows alone would not fill the device, and a second launch folds the splits. `pos
 `keyed_uniform` are the two hashes a step applies to all its rows at once, each one launch (the torch
 references take ~50 small integer kernels each).
 
+Every sampler takes its rows as probabilities, or as logits with each row's `softmax_stats` (maximum of
+logits / T, inverse sum: temperature alone, the engine's default path): then `tempered_probability`
+forms each probability in registers, the same expression `tempered_softmax` writes with, so the tokens
+are those of the written probabilities to the bit, and no float32 `[rows, vocab]` matrix is written.
+`probabilities_at` reads single probabilities the same way (the acceptance test's p and q of each draft).
+
 `keyed_sample_residual` draws a rejected verification's recovered token (and a fully accepted one's
 bonus token) the same way from `max(p - q, 0)`, p a row of the target probabilities and q a row of
 the drafts' store (none for a bonus token), falling back to p where nothing is left: the rows are read
