@@ -580,7 +580,7 @@ def ar_baseline(label: str, runs: dict) -> str | None:
     ar_runs = {name: c for name in runs if (c := config(name)) is not None and c["num_draft_tokens"] == 0}
     own = config(label)
     same = [name for name, c in ar_runs.items() if own is not None and forward(c) == forward(own)]
-    alike = [name for name in same if ar_runs[name]["module_settings"] == own["module_settings"]]  # own: in same
+    alike = [name for name in same if ar_runs[name]["module_settings"] == own["module_settings"]]  # same is empty when own is None
     return (alike or same or list(ar_runs) or [None])[0]
 
 
