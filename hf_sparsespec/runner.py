@@ -121,12 +121,12 @@ class ModelRunner:
         self.token_buffer = torch.zeros((num_slots + 1, history_width), dtype=torch.long, device=device)
         # temperature alone (min-length bans aside): the distributions are read from the logits and each
         # row's stats, never written out (`kernels.tempered_softmax`); the drafts' store keeps logits too
-        self.written_temperature = pipeline.fused_temperature if do_sample and not SAMPLE_FROM_LOGITS else None
-        self.temperature = pipeline.fused_temperature if do_sample and SAMPLE_FROM_LOGITS else None
+        self.temperature = pipeline.fused_temperature if do_sample else None
+        self.from_logits = self.temperature is not None and bool(SAMPLE_FROM_LOGITS)
         self.draft_store: Distributions | None = None  # the drafts' distributions until their verification
         if do_sample and k > 0:
             rows = (num_slots + 1) * k
-            if self.temperature is not None:
+            if self.from_logits:
                 values = torch.zeros((rows, vocab_size), dtype=logits_dtype(model), device=device)
                 stats = torch.zeros((rows, 2), dtype=torch.float32, device=device)
                 self.draft_store = Distributions(values, stats, self.temperature)
@@ -437,13 +437,13 @@ class ModelRunner:
         )
         truncation = self.pipeline.fused_truncation
         dists = scores = None
-        if self.temperature is not None:  # one pass over the model's logits: each row's stats
+        if self.temperature is not None:
             logits = self.pipeline.ban_eos_in_place(logits, rows)
-            self._match_store_dtype(logits)
-            dists = Distributions(logits, self.backend.softmax_stats(logits, self.temperature), self.temperature)
-        elif self.written_temperature is not None:  # the ablation: the probabilities written out
-            logits = self.pipeline.ban_eos_in_place(logits, rows)
-            dists = Distributions(self.backend.tempered_softmax(logits, self.written_temperature))
+            if self.from_logits:  # one pass over the model's logits: each row's stats
+                self._match_store_dtype(logits)
+                dists = Distributions(logits, self.backend.softmax_stats(logits, self.temperature), self.temperature)
+            else:  # the ablation: the probabilities written out
+                dists = Distributions(self.backend.tempered_softmax(logits, self.temperature))
         elif self.do_sample and truncation is not None:  # top-k / top-p without sorting the vocabulary
             t = truncation
             if t.bans_only:  # in place on the model's logits, as the temperature-only path
