@@ -15,7 +15,8 @@ the same function eagerly.
 Buffers owned here (the last row of every per-slot buffer is the dummy slot that padding writes):
     token_buffer  [num_slots + 1, history_width] int64  every request's padding, prompt and tokens
     draft_store   [(num_slots + 1) * k, vocab]           the drafts' distributions (sampling only): their logits
-                  (the model's dtype) and stats [.., 2] fp32 with temperature alone, else fp32 probabilities
+                  (the model's dtype; float32 after history processors) and stats [.., 2] fp32 with temperature
+                  alone, [.., 3] with top-k / top-p; else fp32 probabilities
     page_table    [num_slots + 1, max_pages] int32      every slot's pages (updated with new entries)
     staging (x2, pinned) / metadata                     the int32 fields of `batch.StepShape.fields`
     results       int64: per verify slot [accepted, k drafts, next], then the one-token rows' tokens
@@ -50,9 +51,10 @@ logger = logging.getLogger(__name__)
 # finish at different iterations passes through a few hundred padded shapes (a cap of 64 left 3,155 of
 # 17,501 iterations eager at 256 x 8192)
 MAX_GRAPHS = 512
-# With temperature alone, read the distributions from the logits and each row's stats (no float32
-# probabilities written; the drafts' store keeps logits). 0 writes them (`tempered_softmax`), as
-# before: the same tokens, kept as an ablation (`benchmarks/e2e_throughput.py`'s `_fromlogits0` runs).
+# With temperature alone or temperature -> top-k -> top-p, read the distributions from the logits and
+# each row's stats (no float32 probabilities written; the drafts' store keeps logits). 0 writes them
+# (`tempered_softmax`, `truncated_softmax`), as before: the same tokens, kept as an ablation
+# (`benchmarks/e2e_throughput.py`'s `_fromlogits0` runs).
 SAMPLE_FROM_LOGITS = 1
 
 
@@ -119,17 +121,21 @@ class ModelRunner:
         device = cache.layers[0].keys.device
         self.device = device
         self.token_buffer = torch.zeros((num_slots + 1, history_width), dtype=torch.long, device=device)
-        # temperature alone (min-length bans aside): the distributions are read from the logits and each
-        # row's stats, never written out (`kernels.tempered_softmax`); the drafts' store keeps logits too
+        # temperature alone (min-length bans aside), or temperature -> top-k -> top-p (history processors
+        # first): the distributions are read from the logits and each row's stats, never written out
+        # (`kernels.tempered_softmax`); the drafts' store keeps logits too
         self.temperature = pipeline.fused_temperature if do_sample else None
-        self.from_logits = self.temperature is not None and bool(SAMPLE_FROM_LOGITS)
+        self.truncation = pipeline.fused_truncation if do_sample and self.temperature is None else None
+        self.from_logits = (self.temperature is not None or self.truncation is not None) and bool(SAMPLE_FROM_LOGITS)
         self.draft_store: Distributions | None = None  # the drafts' distributions until their verification
         if do_sample and k > 0:
             rows = (num_slots + 1) * k
             if self.from_logits:
-                values = torch.zeros((rows, vocab_size), dtype=logits_dtype(model), device=device)
-                stats = torch.zeros((rows, 2), dtype=torch.float32, device=device)
-                self.draft_store = Distributions(values, stats, self.temperature)
+                t = self.truncation
+                dtype = logits_dtype(model) if t is None or t.bans_only else torch.float32  # the processors' scores
+                values = torch.zeros((rows, vocab_size), dtype=dtype, device=device)
+                stats = torch.zeros((rows, 2 if t is None else 3), dtype=torch.float32, device=device)
+                self.draft_store = Distributions(values, stats, self.temperature if t is None else t.temperature)
             else:
                 self.draft_store = Distributions(torch.zeros((rows, vocab_size), dtype=torch.float32, device=device))
         max_pages = -(-history_width // cache.page_size)
@@ -435,7 +441,7 @@ class ModelRunner:
             params=w["logits_params"],
             host=batch.host_rows if batch is not None else None,
         )
-        truncation = self.pipeline.fused_truncation
+        truncation = self.truncation
         dists = scores = None
         if self.temperature is not None:
             logits = self.pipeline.ban_eos_in_place(logits, rows)
@@ -450,8 +456,12 @@ class ModelRunner:
                 history = self.pipeline.ban_eos_in_place(logits, rows)
             else:
                 history = self.pipeline(logits.float(), self.token_buffer, rows, t.num_history_steps)
-            dists = Distributions(self.backend.truncated_softmax(history, t.temperature, t.top_k, t.top_p,
-                                                                 t.min_tokens_to_keep))  # fmt: skip
+            truncated = (history, t.temperature, t.top_k, t.top_p, t.min_tokens_to_keep)
+            if self.from_logits:  # one topk and one pass over the scores: each row's stats and threshold
+                self._match_store_dtype(history)
+                dists = Distributions(history, self.backend.truncation_stats(*truncated), t.temperature)
+            else:
+                dists = Distributions(self.backend.truncated_softmax(*truncated))
         else:
             scores = self.pipeline(logits.float(), self.token_buffer, rows)
             dists = Distributions(torch.softmax(scores, dim=-1)) if self.do_sample else None

@@ -139,9 +139,9 @@ def test_compiled_forward_with_graphs_equals_plain_generate(k, compile_forward, 
 @pytest.mark.parametrize("k", [0, 4])
 def test_top_k_top_p_sampling_skips_the_sort_with_graphs(k, history, runners, monkeypatch):
     """A model card's sampling (temperature, top-k, top-p after a repetition penalty, or after the
-    min-length ban on the bf16 logits) in captured iterations: the probabilities come from the Triton
-    `truncated_softmax` (no sort of the vocabulary), and the keyed draws give the tokens of the
-    processors-then-softmax path."""
+    min-length ban on the bf16 logits) in captured iterations: the distributions are read from the scores
+    and each row's Triton `truncation_stats` (no sort of the vocabulary, no probabilities written), and
+    the keyed draws give the tokens of the processors-then-softmax path."""
     from hf_sparsespec.kernels.triton_backend import TritonBackend
 
     model = tiny_model("qwen2").cuda()
@@ -149,7 +149,7 @@ def test_top_k_top_p_sampling_skips_the_sort_with_graphs(k, history, runners, mo
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=4, page_size=4)
     extra = dict(repetition_penalty=1.05) if history == "repetition-penalty" else dict(min_new_tokens=20, eos_token_id=7)
     sample = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, **extra)
-    assert_fused_draws_the_unfused_tokens(monkeypatch, TritonBackend, "truncated_softmax", "fused_truncation",
+    assert_fused_draws_the_unfused_tokens(monkeypatch, TritonBackend, "truncation_stats", "fused_truncation",
                                           lambda: _generate(model, ids, mask, config, **sample))  # fmt: skip
     assert all(r.counters.graph_replays > 0 for r in runners)
 

@@ -171,9 +171,10 @@ def test_logits_wider_than_the_output_embeddings_get_a_store_of_their_dtype(monk
 @pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
 def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, history, monkeypatch):
     """A model card's sampling (temperature, top-k, top-p after a repetition penalty, or after the
-    min-length ban that runs in place on the model's logits): the engine takes the backend's
-    `truncated_softmax` (no sort of the vocabulary) and draws exactly the tokens of the
-    processors-then-softmax path."""
+    min-length ban that runs in place on the model's logits): the engine reads the distributions from the
+    scores and the backend's `truncation_stats` (no sort of the vocabulary) and draws exactly the tokens
+    of the processors-then-softmax path, and of the written `truncated_softmax` (the ablation)."""
+    from hf_sparsespec import runner as runner_module
     from hf_sparsespec.kernels.backend import TorchBackend
 
     model = tiny_model("qwen2")
@@ -182,10 +183,16 @@ def test_top_k_top_p_sampling_skips_the_vocabulary_sort(num_draft_tokens, histor
     extra = dict(repetition_penalty=1.05) if history == "repetition-penalty" else dict(min_new_tokens=12, eos_token_id=7)
     sample = dict(do_sample=True, temperature=0.7, top_k=12, top_p=0.8, max_new_tokens=20,
                   generation_strategy="sparsespec", sparsespec_config=config, **extra)  # fmt: skip
-    out = assert_fused_draws_the_unfused_tokens(monkeypatch, TorchBackend, "truncated_softmax", "fused_truncation",
+    out = assert_fused_draws_the_unfused_tokens(monkeypatch, TorchBackend, "truncation_stats", "fused_truncation",
                                                 lambda: model.generate(input_ids=ids, **sample), seed=4)  # fmt: skip
     if history == "min-new-tokens":
         assert (out[:, 6:18] != 7).all()
+    monkeypatch.undo()
+    monkeypatch.setattr(runner_module, "SAMPLE_FROM_LOGITS", 0)
+    written = assert_fused_draws_the_unfused_tokens(monkeypatch, TorchBackend, "truncated_softmax",
+                                                    "fused_truncation", lambda: model.generate(input_ids=ids, **sample),
+                                                    seed=4)  # fmt: skip
+    assert torch.equal(written, out)
 
 
 def test_overlap_scoring_is_ignored_without_cuda():

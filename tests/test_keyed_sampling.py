@@ -33,6 +33,10 @@ from hf_sparsespec.kernels.tempered_softmax import (
     softmax_stats_ref,
     tempered_softmax,
     tempered_softmax_ref,
+    truncated_softmax,
+    truncated_softmax_ref,
+    truncation_stats,
+    truncation_stats_ref,
 )
 from hf_sparsespec.sampling import (
     ACCEPT_NOISE,
@@ -183,15 +187,24 @@ def test_residual_draws_reject_inputs_that_do_not_match(device):
         keyed_sample_residual(probs, rows.float(), store, rows, keys)
 
 
+def _truncated(top_k: int, top_p: float):
+    """`(written, stats)` pairs of the Triton and reference truncation at `top_k`, `top_p` (the
+    `tempered_softmax` signature)."""
+    return [(lambda x, t, f=write: f(x, t, top_k, top_p, 1), lambda x, t, f=stats_of: f(x, t, top_k, top_p, 1))
+            for write, stats_of in ((truncated_softmax, truncation_stats), (truncated_softmax_ref, truncation_stats_ref))]  # fmt: skip
+
+
 @pytest.mark.parametrize("vocab", [97, 5000, 13000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_draws_from_logits_equal_the_draws_from_the_written_softmax(vocab, dtype, device):
-    """With temperature alone the engine never writes the probabilities: the samplers and
-    `probabilities_at` read them from the logits and each row's `softmax_stats`. Their tokens and
-    probabilities are those of the written `tempered_softmax` to the bit (Triton: one expression,
-    `tempered_probability`; the references: `softmax` row by row), over split vocabularies, masked tokens
-    (-inf, a whole split of them in one row), strided rows of a larger buffer, rejections, bonus
-    tokens and draws of one row twice."""
+@pytest.mark.parametrize("truncation", [None, (40, 1.0), (200, 0.9)], ids=["temperature", "top-k", "top-k-top-p"])
+def test_draws_from_logits_equal_the_draws_from_the_written_softmax(vocab, dtype, truncation, device):
+    """With temperature alone, or top-k / top-p, the engine never writes the probabilities: the samplers
+    and `probabilities_at` read them from the logits and each row's stats (`softmax_stats`; with
+    top-k / top-p `truncation_stats`, a third column: the smallest kept logit). Their tokens and
+    probabilities are those of the written `tempered_softmax` / `truncated_softmax` to the bit (Triton:
+    one expression, `stats_probability`; the references: `softmax` row by row), over split
+    vocabularies, masked tokens (-inf, a whole split of them in one row), strided rows of a larger
+    buffer, rejections, bonus tokens and draws of one row twice."""
     generator = torch.Generator().manual_seed(vocab + 2)
     temperature = 0.65
     buffer = (torch.randn(30, vocab, generator=generator) * 5).to(dtype)
@@ -206,13 +219,17 @@ def test_draws_from_logits_equal_the_draws_from_the_written_softmax(vocab, dtype
     draw_keys = keys[:8]
     at_rows = torch.randint(0, 15, (4, 3), generator=generator).to(device)
     at_tokens = torch.randint(0, vocab, (4, 3), generator=generator).to(device)
-    for softmax, stats_of, sample, residual, at in (
-        (tempered_softmax, softmax_stats, keyed_sample, keyed_sample_residual, probabilities_at),
-        (tempered_softmax_ref, softmax_stats_ref, keyed_sample_ref, keyed_sample_residual_ref, probabilities_at_ref),
-    ):
+    distributions = [(tempered_softmax, softmax_stats), (tempered_softmax_ref, softmax_stats_ref)]
+    if truncation is not None:
+        distributions = _truncated(*truncation)
+    samplers = [(keyed_sample, keyed_sample_residual, probabilities_at),
+                (keyed_sample_ref, keyed_sample_residual_ref, probabilities_at_ref)]  # fmt: skip
+    for (softmax, stats_of), (sample, residual, at) in zip(distributions, samplers):
         probs, store_probs = softmax(logits, temperature), softmax(store, temperature)
         stats, store_stats = stats_of(logits, temperature), stats_of(store, temperature)
-        assert stats.shape == (15, 2) and stats.dtype == torch.float32
+        assert stats.shape == (15, 2 if truncation is None else 3) and stats.dtype == torch.float32
+        if truncation is not None:  # the tokens below the threshold are dropped (fp16 logits tie at the k-th)
+            assert ((probs > 0).sum(-1) <= truncation[0] + (dtype == torch.float16) * 4).all()
         expected = sample(probs, keys)
         assert torch.equal(sample(logits, keys, stats, temperature), expected)
         assert (probs[torch.arange(15, device=device), expected] > 0).all()
@@ -221,7 +238,8 @@ def test_draws_from_logits_equal_the_draws_from_the_written_softmax(vocab, dtype
         assert torch.equal(got, expected)
         assert torch.equal(at(logits, at_rows, at_tokens, stats, temperature), probs[at_rows, at_tokens])
         assert torch.equal(at(probs, at_rows, at_tokens), probs[at_rows, at_tokens])
-    torch.testing.assert_close(softmax_stats(logits, temperature), softmax_stats_ref(logits, temperature), rtol=2e-5,
+    (_, triton_stats), (_, reference_stats) = distributions
+    torch.testing.assert_close(triton_stats(logits, temperature), reference_stats(logits, temperature), rtol=2e-5,
                                atol=0)  # fmt: skip
 
 
@@ -241,6 +259,11 @@ def test_draws_from_logits_reject_inputs_that_do_not_match(device):
         probabilities_at(logits, rows, rows[:1], stats, 0.7)
     with pytest.raises(TypeError, match="stats: expected dtype"):
         probabilities_at(logits, rows, rows, stats.double(), 0.7)
+    truncated = truncation_stats(logits, 0.7, 5, 0.9)
+    with pytest.raises(ValueError, match="one kind"):  # softmax stats beside truncation stats
+        keyed_sample_residual(logits, rows, store, rows, keys, truncated, softmax_stats(store, 0.7), 0.7)
+    with pytest.raises(ValueError, match=r"stats: expected shape \(4, 2\) or \(4, 3\)"):
+        keyed_sample(logits, torch.zeros(4, 2, dtype=torch.int64, device=device), torch.zeros(4, 4, device=device), 0.7)
 
 
 def test_acceptance_with_residual_draws_equals_the_materialised_residual():
@@ -340,12 +363,12 @@ def test_sampled_outputs_do_not_depend_on_the_batch(variant):
     assert [r.generated_ids for r in hf_sparsespec.generate_batch(model, prompts, gc)] != reference  # other seed
 
 
-@pytest.mark.parametrize("top_k", [50, 0], ids=["top-k-probabilities", "temperature-logits"])
+@pytest.mark.parametrize("top_k", [50, 0], ids=["top-k", "temperature"])
 def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch, top_k):
     """A speculative draft's position is only known on the device (the accepted count shifts it): its
     noise must still be keyed at the position where its token lands, not at the row's unshifted one
-    (that key belongs to the previous cycle's draft, whose noise an accepted token already used). With
-    temperature alone the drafts are drawn from their logits and stats, with top-k from probabilities."""
+    (that key belongs to the previous cycle's draft, whose noise an accepted token already used). The
+    drafts are drawn from their logits and stats: two columns with temperature alone, three with top-k."""
     from hf_sparsespec.batch import BatchBuilder
     from hf_sparsespec.runner import ModelRunner
 
@@ -358,7 +381,7 @@ def test_every_draft_is_the_keyed_draw_at_its_true_position(monkeypatch, top_k):
 
     def store(self, write_index, prob_index, tokens, drafts):
         width = self.token_buffer.shape[1]
-        assert drafts.from_logits == (top_k == 0)
+        assert drafts.from_logits and drafts.stats.shape[1] == (3 if top_k else 2)
         for i, (index, token) in enumerate(zip(write_index.tolist(), tokens.tolist())):
             slot, position = divmod(index, width)
             if slot == self.num_slots:

@@ -11,13 +11,13 @@ once per step `select_verified_keys` (every layer's top keys into the selected-i
 `"diagonal"`, every layer's moved-key offsets: the Triton backend from its best-key workspace, the
 reference already while scoring), and the sampler's `keyed_sample` (one token per row from keyed
 noise), `keyed_sample_residual` (the same from `max(p - q, 0)` of rows read in place: the
-verifications' recovered and bonus tokens; both take probabilities, or logits with their
-`softmax_stats`), `probabilities_at` (the acceptance test's probabilities of the drafted tokens),
-`position_keys` (each draw's key from its stream and position) and `keyed_uniform` (the
-acceptance tests' uniforms), `softmax_stats` (each row's maximum and inverse sum of its tempered
-logits: the sampling distributions, read from the logits, when temperature is the only logits processor),
-`tempered_softmax` (the same distributions written out), `truncated_softmax` (temperature -> top-k -> top-p without sorting
-the vocabulary), `store_rows` (the drafts' distributions into their store; rows indexed -1
+verifications' recovered and bonus tokens; both take probabilities, or logits with their stats),
+`probabilities_at` (the acceptance test's probabilities of the drafted tokens), `position_keys` (each
+draw's key from its stream and position) and `keyed_uniform` (the acceptance tests' uniforms),
+`softmax_stats` (each row's maximum and inverse sum of its tempered logits: the sampling distributions,
+read from the logits, when temperature is the only logits processor), `truncation_stats` (the same
+with top-k / top-p, without sorting the vocabulary, plus each row's smallest kept logit),
+`tempered_softmax` and `truncated_softmax` (those distributions written out), `store_rows` (the drafts' distributions into their store; rows indexed -1
 skipped), `write_induction_keys` (the `"induction"` selection's lookup of every draft row's
 induction keys into the moved-key store, `induction_keys.py`) and `shift_speculative_rows` (the
 delayed verification's speculative rows moved by the accepted counts, `shifts.py`). The Triton
@@ -43,7 +43,12 @@ from hf_sparsespec.kernels.pillar_select import gather_queries_ref, score_verifi
 from hf_sparsespec.kernels.shifts import shift_speculative_rows_ref
 from hf_sparsespec.kernels.store_kv import store_kv_ref
 from hf_sparsespec.kernels.store_rows import store_rows_ref
-from hf_sparsespec.kernels.tempered_softmax import softmax_stats_ref, tempered_softmax_ref, truncated_softmax_ref
+from hf_sparsespec.kernels.tempered_softmax import (
+    softmax_stats_ref,
+    tempered_softmax_ref,
+    truncated_softmax_ref,
+    truncation_stats_ref,
+)
 
 
 class AttentionBackend(Protocol):
@@ -90,6 +95,8 @@ class AttentionBackend(Protocol):
     def softmax_stats(self, logits, temperature) -> torch.Tensor: ...
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor: ...
+
+    def truncation_stats(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor: ...
 
     def store_rows(self, dst, index, src) -> None: ...
 
@@ -170,6 +177,9 @@ class TorchBackend:
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
         return truncated_softmax_ref(logits, temperature, top_k, top_p, min_tokens_to_keep)
+
+    def truncation_stats(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
+        return truncation_stats_ref(logits, temperature, top_k, top_p, min_tokens_to_keep)
 
     def store_rows(self, dst, index, src) -> None:
         store_rows_ref(dst, index, src)

@@ -21,11 +21,13 @@ rows alone would not fill the device, and a second launch folds the splits. `pos
 `keyed_uniform` are the two hashes a step applies to all its rows at once, each one launch (the torch
 references take ~50 small integer kernels each).
 
-Every sampler takes its rows as probabilities, or as logits with each row's `softmax_stats` (maximum of
-logits / T, inverse sum: temperature alone, the engine's default path): then `tempered_probability`
-forms each probability in registers, the same expression `tempered_softmax` writes with, so the tokens
-are those of the written probabilities to the bit, and no float32 `[rows, vocab]` matrix is written.
-`probabilities_at` reads single probabilities the same way (the acceptance test's p and q of each draft).
+Every sampler takes its rows as probabilities, or as logits with each row's stats: `softmax_stats`
+(maximum of logits / T, inverse sum: temperature alone) or `truncation_stats` (top-k / top-p: the
+maximum, the inverse sum of the kept tokens and the smallest kept logit, a third column). Then
+`stats_probability` forms each probability in registers, the same expression `tempered_softmax` and
+`truncated_softmax` write with, so the tokens are those of the written probabilities to the bit, and no
+float32 `[rows, vocab]` matrix is written. `probabilities_at` reads single probabilities the same way
+(the acceptance test's p and q of each draft).
 
 `keyed_sample_residual` draws a rejected verification's recovered token (and a fully accepted one's
 bonus token) the same way from `max(p - q, 0)`, p a row of the target probabilities and q a row of
@@ -94,17 +96,26 @@ def keyed_uniform_ref(
 
 def probabilities_ref(values: torch.Tensor, stats: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """Rows of probabilities (float32): `values` themselves when `stats` is None, else `values` are logits
-    and the rows are `softmax(values / temperature)` (`tempered_softmax_ref`, row by row: the same bits
-    whichever rows are read together; the references leave the stats, the Triton kernels' shortcut, unused)."""
+    and the rows are `softmax(values / temperature)` (`tempered_softmax_ref`), over the tokens at or above
+    each row's threshold when `stats` has a third column (`truncation_stats_ref`). Row by row: the same bits
+    whichever rows are read together (the references use only the threshold of the stats, not the
+    maximum and inverse sum, the Triton kernels' shortcut)."""
     if stats is None:
         return values.float()
-    return torch.softmax(values.float() / temperature, dim=-1)
+    scores = values.float() / temperature
+    if stats.shape[1] == 3:  # truncated: the tokens below the row's smallest kept logit dropped
+        scores = torch.where(values.float() >= stats[:, 2:], scores, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def _rows_of(stats: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if stats is None else stats[rows]
 
 
 def keyed_sample_ref(
     probs: torch.Tensor,  # [num_rows, vocab] fp16/bf16/fp32, unnormalised probabilities (>= 0), or logits
     keys: torch.Tensor,  # [num_rows, 2] int32/int64 bit patterns of each row's key
-    stats: torch.Tensor | None = None,  # [num_rows, 2] fp32: `probs` are logits (`probabilities_ref`)
+    stats: torch.Tensor | None = None,  # [num_rows, 2 or 3] fp32: `probs` are logits (`probabilities_ref`)
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Reference (and CPU backend) of `keyed_sample`: `[num_rows]` int64 tokens."""
@@ -120,18 +131,19 @@ def keyed_sample_residual_ref(
     store: torch.Tensor,  # [m, vocab] draft probabilities (>= 0), or logits (store_stats)
     store_rows: torch.Tensor,  # [num_rows] int64 row of `store` to subtract, -1: none
     keys: torch.Tensor,  # [num_rows, 2] int32/int64
-    stats: torch.Tensor | None = None,  # [n, 2] fp32: `probs` are logits (`probabilities_ref`)
-    store_stats: torch.Tensor | None = None,  # [m, 2] fp32: `store` holds logits
+    stats: torch.Tensor | None = None,  # [n, 2 or 3] fp32: `probs` are logits (`probabilities_ref`)
+    store_stats: torch.Tensor | None = None,  # [m, 2 or 3] fp32: `store` holds logits
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Reference (and CPU backend) of `keyed_sample_residual`: `[num_rows]` int64 tokens drawn from
     `max(probs[rows] - store[store_rows], 0)` (nothing subtracted at -1), or from `probs[rows]` itself
     where that is zero everywhere."""
-    p = probabilities_ref(probs[rows], stats, temperature)
+    p = probabilities_ref(probs[rows], _rows_of(stats, rows), temperature)
     has_draft = store_rows >= 0
     q = torch.zeros_like(p)
     if store.shape[0]:
-        q = probabilities_ref(store[store_rows.clamp(min=0)], store_stats, temperature) * has_draft[:, None]
+        store_rows = store_rows.clamp(min=0)
+        q = probabilities_ref(store[store_rows], _rows_of(store_stats, store_rows), temperature) * has_draft[:, None]
     residual = (p - q).clamp(min=0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
     return keyed_sample_ref(residual, keys)
@@ -141,13 +153,13 @@ def probabilities_at_ref(
     values: torch.Tensor,  # [n, vocab] probabilities, or logits (stats)
     rows: torch.Tensor,  # [...] int64 rows of `values`
     tokens: torch.Tensor,  # [...] int64, the shape of `rows`
-    stats: torch.Tensor | None = None,  # [n, 2] fp32: `values` are logits
+    stats: torch.Tensor | None = None,  # [n, 2 or 3] fp32: `values` are logits
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Reference (and CPU backend) of `probabilities_at`: the probability of `tokens[i]` in row `rows[i]`,
     float32, the shape of `rows`."""
     flat_rows = rows.reshape(-1).long()
-    probs = probabilities_ref(values[flat_rows], stats, temperature)
+    probs = probabilities_ref(values[flat_rows], _rows_of(stats, flat_rows), temperature)
     return probs.gather(1, tokens.reshape(-1, 1).long()).view(rows.shape)
 
 
@@ -157,6 +169,30 @@ def tempered_probability(x, temperature, row_max, inv_sum):
     x / T, inverse sum): every kernel that reads a distribution from its logits (the softmax's write
     pass, the samplers, `probabilities_at`) computes it with this one expression, so they agree to the bit."""
     return tl.exp2((x / temperature - row_max) * _LOG2E) * inv_sum
+
+
+@triton.jit
+def load_stats(stats_ptr, row, mask, STATS_WIDTH: tl.constexpr):
+    """A row's `(maximum, inverse sum, smallest kept logit)` from its stats: `[.., 2]` (`softmax_stats`,
+    every token kept: -inf) or `[.., 3]` (`truncation_stats`); `row` a scalar or a block of rows (`mask`
+    its valid ones)."""
+    row_max = tl.load(stats_ptr + row * STATS_WIDTH, mask=mask, other=0.0)
+    inv_sum = tl.load(stats_ptr + row * STATS_WIDTH + 1, mask=mask, other=0.0)
+    if STATS_WIDTH == 3:
+        threshold = tl.load(stats_ptr + row * STATS_WIDTH + 2, mask=mask, other=0.0)
+    else:
+        threshold = tl.full(row_max.shape, float("-inf"), tl.float32)
+    return row_max, inv_sum, threshold
+
+
+@triton.jit
+def stats_probability(x, temperature, row_max, inv_sum, threshold, STATS_WIDTH: tl.constexpr):
+    """`tempered_probability`, and 0 below the row's smallest kept logit with `truncation_stats` (three
+    columns): the one expression of every kernel that reads a distribution from its logits."""
+    p = tempered_probability(x, temperature, row_max, inv_sum)
+    if STATS_WIDTH == 3:
+        p = tl.where(x >= threshold, p, 0.0)
+    return p
 
 
 @triton.jit
@@ -181,8 +217,8 @@ def _keyed_sample_kernel(
     store_rows_ptr,  # [num_rows] int64 row of store per draw, -1: none (RESIDUAL)
     fallback_out_ptr,  # as out_ptr: the best of p itself (RESIDUAL)
     fallback_best_ptr,  # as best_ptr (RESIDUAL, SPLIT)
-    stats_ptr,  # [n, 2] fp32 (FROM_LOGITS): each row's `softmax_stats`
-    store_stats_ptr,  # [m, 2] fp32 (FROM_LOGITS, RESIDUAL): the store rows' stats
+    stats_ptr,  # [n, STATS_WIDTH] fp32 (FROM_LOGITS): each row's `softmax_stats` or `truncation_stats`
+    store_stats_ptr,  # [m, STATS_WIDTH] fp32 (FROM_LOGITS, RESIDUAL): the store rows' stats
     vocab,
     split_size,  # vocabulary entries per split, a multiple of BLOCK_V
     stride_probs_row,
@@ -192,7 +228,8 @@ def _keyed_sample_kernel(
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
     RESIDUAL: tl.constexpr,  # race over max(p - q, 0), and over p for the rows where that is all zero
-    FROM_LOGITS: tl.constexpr,  # rows are logits: p = tempered_probability(x, T, row stats)
+    FROM_LOGITS: tl.constexpr,  # rows are logits: p = stats_probability(x, T, row stats)
+    STATS_WIDTH: tl.constexpr,  # 2 (temperature alone) or 3 (truncated) with FROM_LOGITS
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -210,14 +247,15 @@ def _keyed_sample_kernel(
     store_row = tl.maximum(store_row, 0)
     row_max = tl.full([], 0.0, tl.float32)
     inv_sum = row_max
+    threshold = row_max
     store_max = row_max
     store_inv_sum = row_max
+    store_threshold = row_max
     if FROM_LOGITS:
-        row_max = tl.load(stats_ptr + source * 2)
-        inv_sum = tl.load(stats_ptr + source * 2 + 1)
+        row_max, inv_sum, threshold = load_stats(stats_ptr, source, source >= 0, STATS_WIDTH)
         if RESIDUAL:
-            store_max = tl.load(store_stats_ptr + store_row * 2)
-            store_inv_sum = tl.load(store_stats_ptr + store_row * 2 + 1)
+            store_max, store_inv_sum, store_threshold = load_stats(store_stats_ptr, store_row, store_row >= 0,
+                                                                   STATS_WIDTH)  # fmt: skip
     missing = float("-inf") if FROM_LOGITS else 0.0  # what a masked load reads: probability 0
     best = tl.full([], -1.0, tl.float32)
     best_index = tl.full([], 0, tl.int64)
@@ -230,7 +268,7 @@ def _keyed_sample_kernel(
         mask = index < last
         p = tl.load(probs_ptr + source * stride_probs_row + index, mask=mask, other=missing).to(tl.float32)
         if FROM_LOGITS:
-            p = tempered_probability(p, temperature, row_max, inv_sum)
+            p = stats_probability(p, temperature, row_max, inv_sum, threshold, STATS_WIDTH)
         h = _hash32(key_lo ^ _hash32(key_hi ^ index.to(tl.uint32)))
         uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         exponential = -tl.log(uniform)
@@ -238,7 +276,7 @@ def _keyed_sample_kernel(
             q_ptr = store_ptr + store_row * stride_store_row + index
             q = tl.load(q_ptr, mask=mask & has_draft, other=missing).to(tl.float32)
             if FROM_LOGITS:
-                q = tempered_probability(q, temperature, store_max, store_inv_sum)
+                q = stats_probability(q, temperature, store_max, store_inv_sum, store_threshold, STATS_WIDTH)
             p_score = tl.where(mask, p / exponential, -1.0)
             block_fallback = tl.max(p_score, axis=0)
             fallback_block_index = tl.argmax(p_score, axis=0).to(tl.int64) + start
@@ -382,10 +420,15 @@ def splits_block(vocab: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, vocabulary_block(vocab)))
 
 
+STATS_WIDTHS = (2, 3)  # columns of `softmax_stats` (temperature alone) and of `truncation_stats` (top-k / top-p)
+
+
 def _check_stats(name: str, stats: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor | None:
     if stats is None:
         return None
-    check_tensor(name, stats, dtypes=(torch.float32,), device=device, shape=(rows, 2))
+    check_tensor(name, stats, ndim=2, dtypes=(torch.float32,), device=device)
+    if stats.shape[0] != rows or stats.shape[1] not in STATS_WIDTHS:
+        raise ValueError(f"{name}: expected shape ({rows}, 2) or ({rows}, 3), got {tuple(stats.shape)}")
     return stats.contiguous()
 
 
@@ -406,8 +449,9 @@ def keyed_sample(
             with `stats`, the rows' logits instead.
         keys: `[num_rows, 2]` int32/int64, each row's key (high word, low word) as bit patterns.
         stats: None, or `[num_rows, 2]` float32 `tempered_softmax.softmax_stats(probs, temperature)`: the rows
-            are then `softmax(probs / temperature)`, read from the logits (`tempered_probability`: the tokens
-            are those of `keyed_sample(tempered_softmax(probs, temperature), keys)`, to the bit).
+            are then `softmax(probs / temperature)`, read from the logits (`stats_probability`: the tokens
+            are those of `keyed_sample(tempered_softmax(probs, temperature), keys)`, to the bit); or `[num_rows,
+            3]` `truncation_stats(probs, temperature, ...)`: the rows are `truncated_softmax`'s, the same way.
         temperature: with `stats`, the temperature they were computed at.
     Returns:
         `[num_rows]` int64 tokens.
@@ -438,8 +482,9 @@ def keyed_sample_residual(
         store: `[m, vocab]` fp16/bf16/fp32 (>= 0), unit stride over vocab; with `stats`, logits.
         store_rows: `[num_rows]` int32/int64 rows of `store`, each in [-1, m).
         keys: `[num_rows, 2]` int32/int64, each draw's key.
-        stats, store_stats: None (probabilities), or both: `[n, 2]` and `[m, 2]` float32 `softmax_stats` of
-            `probs` and of `store` at `temperature` (as `keyed_sample`).
+        stats, store_stats: None (probabilities), or both, of one kind: `[n, 2]` and `[m, 2]` float32
+            `softmax_stats` of `probs` and of `store` at `temperature`, or `[n, 3]` and `[m, 3]`
+            `truncation_stats` (as `keyed_sample`).
     Returns:
         `[num_rows]` int64 tokens.
     """
@@ -453,6 +498,9 @@ def keyed_sample_residual(
         raise ValueError("stats, store_stats: expected both (probs and store hold logits) or neither")
     stats = _check_stats("stats", stats, probs.shape[0], probs.device)
     store_stats = _check_stats("store_stats", store_stats, store.shape[0], probs.device)
+    if stats is not None and stats.shape[1] != store_stats.shape[1]:
+        raise ValueError(f"stats, store_stats: expected one kind (the same columns), got {stats.shape[1]} and "
+                         f"{store_stats.shape[1]}")  # fmt: skip
     store = store if store.stride(1) == 1 else store.contiguous()
     return _race(probs, keys, (rows.contiguous(), store, store_rows.contiguous()), stats, store_stats, temperature)
 
@@ -472,11 +520,13 @@ def _race(probs: torch.Tensor, keys: torch.Tensor, residual: tuple | None, stats
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     rows, store, store_rows = residual if residual is not None else (out, probs, out)
     from_logits = stats is not None
+    width = stats.shape[1] if from_logits else STATS_WIDTHS[0]
     stats = stats if from_logits else probs  # unread without FROM_LOGITS
     store_stats = store_stats if store_stats is not None else stats
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SAMPLE_PROGRAMS_PER_SM, probs.device)
     warps = 4 if block >= 1024 else 1
-    common = dict(BLOCK_V=block, RESIDUAL=residual is not None, FROM_LOGITS=from_logits, num_warps=warps)
+    common = dict(BLOCK_V=block, RESIDUAL=residual is not None, FROM_LOGITS=from_logits, STATS_WIDTH=width,
+                  num_warps=warps)  # fmt: skip
     strides = (probs.stride(0), keys.stride(0), store.stride(0), float(temperature))
     if block >= vocab:  # one block: one split whatever the rows
         _keyed_sample_kernel[(num_rows, 1)](
@@ -499,7 +549,7 @@ def _race(probs: torch.Tensor, keys: torch.Tensor, residual: tuple | None, stats
 @triton.jit(do_not_specialize=["n"])
 def _probabilities_at_kernel(
     values_ptr,  # [num_rows, vocab] probabilities, or logits (FROM_LOGITS)
-    stats_ptr,  # [num_rows, 2] fp32 (FROM_LOGITS)
+    stats_ptr,  # [num_rows, STATS_WIDTH] fp32 (FROM_LOGITS)
     rows_ptr,  # [n] int64
     tokens_ptr,  # [n] int64
     out_ptr,  # [n] fp32
@@ -508,6 +558,7 @@ def _probabilities_at_kernel(
     temperature,
     BLOCK: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    STATS_WIDTH: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -515,9 +566,8 @@ def _probabilities_at_kernel(
     token = tl.load(tokens_ptr + offs, mask=mask, other=0).to(tl.int64)
     x = tl.load(values_ptr + row * stride_row + token, mask=mask, other=0.0).to(tl.float32)
     if FROM_LOGITS:
-        row_max = tl.load(stats_ptr + row * 2, mask=mask, other=0.0)
-        inv_sum = tl.load(stats_ptr + row * 2 + 1, mask=mask, other=0.0)
-        x = tempered_probability(x, temperature, row_max, inv_sum)
+        row_max, inv_sum, threshold = load_stats(stats_ptr, row, mask, STATS_WIDTH)
+        x = stats_probability(x, temperature, row_max, inv_sum, threshold, STATS_WIDTH)
     tl.store(out_ptr + offs, x, mask=mask)
 
 
@@ -535,7 +585,8 @@ def probabilities_at(
     Args:
         values: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
         rows, tokens: int32/int64 of one shape, `rows` in [0, num_rows), `tokens` in [0, vocab).
-        stats: None, or `[num_rows, 2]` float32 `softmax_stats(values, temperature)`.
+        stats: None, or `[num_rows, 2]` float32 `softmax_stats(values, temperature)`, or `[num_rows, 3]`
+            `truncation_stats`.
     """
     check_tensor("values", values, ndim=2, dtypes=HALF_AND_FLOAT, device=values.device)
     check_tensor("rows", rows, dtypes=(torch.int32, torch.int64), device=values.device)
@@ -551,6 +602,6 @@ def probabilities_at(
         _probabilities_at_kernel[(triton.cdiv(n, KEYS_PER_PROGRAM),)](
             values, stats if stats is not None else values, rows.reshape(-1).contiguous(),
             tokens.reshape(-1).contiguous(), out, n, values.stride(0), float(temperature), BLOCK=KEYS_PER_PROGRAM,
-            FROM_LOGITS=stats is not None,
+            FROM_LOGITS=stats is not None, STATS_WIDTH=stats.shape[1] if stats is not None else STATS_WIDTHS[0],
         )  # fmt: skip
     return out

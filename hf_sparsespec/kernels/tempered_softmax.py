@@ -15,22 +15,23 @@ by the shapes (CUDA-graph safe):
   `exp(x - max)` over its split;
 - `_softmax_stats_kernel`: each row's partials folded into its maximum and inverse sum
   (`softmax_stats`);
-- `_softmax_write_kernel`: `exp(x - max) / sum` over each split (`tempered_probability`).
+- `_softmax_write_kernel`: `exp(x - max) / sum` over each split (`keyed_sample.stats_probability`).
 
-The engine stops at `softmax_stats`: its sampler, acceptance and drafts' store read the probabilities
-they need from the model's logits and these two numbers a row (`tempered_probability`, the same bits
-as the written probabilities), so the float32 `[rows, vocab]` matrix is never written: at 256 requests
-(~500 rows x 152K) that was 300 MB written, then the one-token rows' 140 MB read by the sampler and
-copied again into the drafts' store (which now keeps the drafts' logits, half the bytes, and stats).
+The engine stops at the stats: its sampler, acceptance and drafts' store read the probabilities they
+need from the model's logits and a few numbers a row (`stats_probability`, the same bits as the
+written probabilities), so the float32 `[rows, vocab]` matrix is never written: at 256 requests (~500
+rows x 152K) that was 300 MB written, then the one-token rows' 140 MB read by the sampler and copied
+again into the drafts' store (which now keeps the drafts' logits, half the bytes, and stats).
 
-`truncated_softmax` (`LogitsPipeline.fused_truncation`: temperature -> top-k -> top-p, the models' own
-sampling configs) takes the same pair of passes around one `torch.topk`: the candidates give the row's
-maximum and the k-th logit, `_truncated_partials_kernel` sums top-k's softmax over every token at or
-above the k-th (ties beyond the k included), top-p's cut is found among the candidates, and
-`_truncated_write_kernel` writes the kept tokens' probabilities. transformers' top-p sorts every row's
-whole vocabulary: at 256 rows x 8K contexts a SparseSpec iteration took 21.88 ms through the
-processors, 15.51 ms with a torch-only version of this path, 13.46 ms with this one (H200,
-docs/measurements.md 17).
+`truncation_stats` (`LogitsPipeline.fused_truncation`: temperature -> top-k -> top-p, the models' own
+sampling configs) takes the same pass around one `torch.topk`: the candidates give the row's maximum
+and the k-th logit, `_truncated_partials_kernel` sums top-k's softmax over every token at or above the
+k-th (ties beyond the k included), and top-p's cut is found among the candidates; a row's stats get a
+third column, the smallest kept logit, below which every reader reads 0. `truncated_softmax` writes
+those probabilities out (the torch backend's reference path, and the ablation). transformers' top-p
+sorts every row's whole vocabulary: at 256 rows x 8K contexts a SparseSpec iteration took 21.88 ms
+through the processors, 15.51 ms with a torch-only version of this path, 13.46 ms with the written
+Triton one (H200, docs/measurements.md 17).
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ import triton
 import triton.language as tl
 
 from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
-from hf_sparsespec.kernels.keyed_sample import splits_block, tempered_probability, vocabulary_splits
+from hf_sparsespec.kernels.keyed_sample import (
+    STATS_WIDTHS,
+    load_stats,
+    probabilities_ref,
+    splits_block,
+    stats_probability,
+    vocabulary_splits,
+)
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -77,37 +85,51 @@ def top_p_cut(
     return torch.where(keep, head, float("inf")).amin(dim=-1, keepdim=True)
 
 
+def truncation_stats_ref(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
+) -> torch.Tensor:
+    """`[rows, 3]` float32: each row's maximum of `logits / temperature`, the inverse of the kept tokens'
+    sum of `exp(logits / T - maximum)` and the smallest kept logit, after transformers' temperature ->
+    `TopKLogitsWarper` -> `TopPLogitsWarper` (see `truncated_softmax_ref`). Tokens are kept by comparing
+    their logits with that threshold (raw logits, as the Triton kernels)."""
+    logits = logits.float()
+    scores = logits / temperature if temperature != 1.0 else logits  # as TemperatureLogitsWarper (absent at 1.0)
+    head_logits = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values  # [rows, k], descending
+    head = head_logits / temperature if temperature != 1.0 else head_logits
+    best, kth = head[:, :1], head_logits[:, -1:]
+    weights = torch.exp(scores - best).masked_fill_(logits < kth, 0.0)  # top-k's softmax, unnormalised
+    threshold, norm = kth, weights.sum(dim=-1, keepdim=True)
+    if top_p < 1.0:
+        threshold = top_p_cut(head_logits, torch.exp(head - best), norm, top_p, min_tokens_to_keep)
+        norm = weights.masked_fill_(logits < threshold, 0.0).sum(dim=-1, keepdim=True)
+    return torch.cat([best, 1.0 / norm, threshold], dim=1)
+
+
 def truncated_softmax_ref(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
 ) -> torch.Tensor:
     """transformers' temperature -> `TopKLogitsWarper` -> `TopPLogitsWarper` -> softmax on `logits
     [rows, vocab]` (any float dtype, the history processors applied), in float32, without sorting the
-    vocabulary (`LogitsPipeline.fused_truncation` says when the engine may use it).
+    vocabulary (`LogitsPipeline.fused_truncation` says when the engine may use it): `softmax(logits / T)`
+    over the tokens at or above each row's smallest kept logit (`truncation_stats_ref`).
 
-    - Top-k keeps every token at or above the k-th largest score, ties included (as transformers).
+    - Top-k keeps every token at or above the k-th largest logit, ties included (as transformers).
     - Top-p: transformers sorts all scores ascending and drops the tokens whose cumulative probability
       is <= 1 - top_p, i.e. keeps a token iff the probability of the tokens above it is < top_p. Only
       the top-k candidates can be kept, so that mass is summed over the k candidates (sorted by
       `torch.topk`), tokens of equal score sharing the mass strictly above them.
-    - The same distribution up to float rounding. Two cases can differ at the top-p boundary:
+    - The same distribution up to float rounding. Three cases can differ:
       - a token whose mass above lies within rounding of top_p (our sum runs from the top,
         transformers' cumulative sum from the bottom);
-      - equal scores straddling the boundary: transformers' unstable sort keeps an arbitrary part of
-        them, this keeps all.
+      - equal scores straddling the top-p boundary: transformers' unstable sort keeps an arbitrary part
+        of them, this keeps all;
+      - float32 logits that the division by T rounds onto one score: transformers compares the scores,
+        this the logits (bf16 and fp16 logits never round together).
 
     One `torch.topk` over the vocabulary and a few elementwise passes, no host syncs (graph-safe);
     transformers' top-p sorts the whole vocabulary of every row."""
-    scores = logits.float()
-    if temperature != 1.0:
-        scores = scores / temperature  # as TemperatureLogitsWarper (it is absent at 1.0)
-    top_k = min(top_k, scores.shape[-1])
-    head = torch.topk(scores, top_k, dim=-1).values  # [rows, k], descending
-    best, kth = head[:, :1], head[:, -1:]
-    weights = torch.exp(scores - best).masked_fill_(scores < kth, 0.0)  # top-k's softmax, unnormalised
-    if top_p < 1.0:
-        cut = top_p_cut(head, torch.exp(head - best), weights.sum(dim=-1, keepdim=True), top_p, min_tokens_to_keep)
-        weights.masked_fill_(scores < cut, 0.0)
-    return weights / weights.sum(dim=-1, keepdim=True)
+    return probabilities_ref(logits, truncation_stats_ref(logits, temperature, top_k, top_p, min_tokens_to_keep),
+                             temperature)  # fmt: skip
 
 
 @triton.jit
@@ -168,20 +190,19 @@ def _softmax_stats_kernel(
 @triton.jit
 def _softmax_write_kernel(
     logits_ptr,  # [num_rows, vocab]
-    stats_ptr,  # [num_rows, 2] fp32 (softmax_stats)
+    stats_ptr,  # [num_rows, STATS_WIDTH] fp32 (softmax_stats or truncation_stats)
     probs_ptr,  # [num_rows, vocab] fp32
     vocab,
     split_size,
     stride_row,
-    stride_stats_row,
     stride_probs_row,
     temperature,
     BLOCK_V: tl.constexpr,
+    STATS_WIDTH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    row_max = tl.load(stats_ptr + row * stride_stats_row)
-    inv_sum = tl.load(stats_ptr + row * stride_stats_row + 1)
+    row_max, inv_sum, threshold = load_stats(stats_ptr, row, row >= 0, STATS_WIDTH)
     offs = tl.arange(0, BLOCK_V)
     first = split * split_size
     last = tl.minimum(first + split_size, vocab)
@@ -189,8 +210,8 @@ def _softmax_write_kernel(
         index = start + offs
         mask = index < last
         x = tl.load(logits_ptr + row * stride_row + index, mask=mask, other=float("-inf")).to(tl.float32)
-        tl.store(probs_ptr + row * stride_probs_row + index, tempered_probability(x, temperature, row_max, inv_sum),
-                 mask=mask)  # fmt: skip
+        p = stats_probability(x, temperature, row_max, inv_sum, threshold, STATS_WIDTH)
+        tl.store(probs_ptr + row * stride_probs_row + index, p, mask=mask)
 
 
 def softmax_stats(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -231,16 +252,21 @@ def tempered_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     Returns:
         `[num_rows, vocab]` float32 probabilities.
     """
-    stats = softmax_stats(logits, temperature)
+    return _write_probabilities(logits, softmax_stats(logits, temperature), temperature)
+
+
+def _write_probabilities(logits: torch.Tensor, stats: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`[num_rows, vocab]` float32: every probability of the rows, as the samplers read them from `stats`."""
     num_rows, vocab = logits.shape
     probs = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
     if num_rows == 0 or vocab == 0:
         return probs
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    assert stats.shape == (num_rows, stats.shape[1]) and stats.shape[1] in STATS_WIDTHS and stats.is_contiguous()
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)
     _softmax_write_kernel[(num_rows, num_splits)](
-        logits, stats, probs, vocab, split_size, logits.stride(0), stats.stride(0), probs.stride(0), float(temperature),
-        BLOCK_V=block, num_warps=4 if block >= 1024 else 1,
+        logits, stats, probs, vocab, split_size, logits.stride(0), probs.stride(0), float(temperature),
+        BLOCK_V=block, STATS_WIDTH=stats.shape[1], num_warps=4 if block >= 1024 else 1,
     )  # fmt: skip
     return probs
 
@@ -272,55 +298,25 @@ def _truncated_partials_kernel(
     tl.store(sum_ptr + row * tl.num_programs(1) + split, tl.sum(total, axis=0))
 
 
-@triton.jit
-def _truncated_write_kernel(
-    logits_ptr,  # [num_rows, vocab]
-    threshold_ptr,  # [num_rows] fp32: the smallest logit kept
-    best_ptr,  # [num_rows] fp32
-    norm_ptr,  # [num_rows] fp32: the kept tokens' sum of exp(x / T - best)
-    probs_ptr,  # [num_rows, vocab] fp32
-    vocab,
-    split_size,
-    stride_row,
-    stride_probs_row,
-    temperature,
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    threshold = tl.load(threshold_ptr + row)
-    best = tl.load(best_ptr + row)
-    inv_norm = 1.0 / tl.load(norm_ptr + row)
-    offs = tl.arange(0, BLOCK_V)
-    first = split * split_size
-    last = tl.minimum(first + split_size, vocab)
-    for start in range(first, last, BLOCK_V):
-        index = start + offs
-        mask = index < last
-        x = tl.load(logits_ptr + row * stride_row + index, mask=mask, other=float("-inf")).to(tl.float32)
-        p = tl.where(x >= threshold, tl.exp2((x / temperature - best) * _LOG2E) * inv_norm, 0.0)
-        tl.store(probs_ptr + row * stride_probs_row + index, p, mask=mask)
-
-
-def truncated_softmax(
+def truncation_stats(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
 ) -> torch.Tensor:
-    """Triton `truncated_softmax_ref`: temperature -> top-k -> top-p -> softmax, in float32, straight
-    from the model's logits (bf16 on the GPU).
+    """Triton `truncation_stats_ref`: each row's `(maximum of logits / T, 1 / the kept tokens' sum of
+    exp(logits / T - maximum), smallest kept logit)`, `[num_rows, 3]` float32, after temperature -> top-k
+    -> top-p. With them a kernel reads any probability of the row straight from the logits
+    (`keyed_sample.stats_probability`), bit for bit what `truncated_softmax` writes.
 
     `torch.topk` over the raw logits finds each row's k best (the temperature does not reorder them);
     one pass sums top-k's softmax over every token at or above the k-th (ties beyond the k included);
-    top-p's cut is found among the k candidates, as the reference does; a second pass writes the
-    probabilities of the tokens at or above the cut. Tokens are kept by comparing raw logits, so a
-    float32 logit below the k-th that the division by T would round onto it stays out (the reference
-    keeps it); bf16 and fp16 logits never round together. No host syncs (CUDA-graph safe).
+    top-p's cut is found among the k candidates, as the reference does. Tokens are kept by comparing
+    raw logits, so a float32 logit below the k-th that the division by T would round onto it stays out
+    (the reference agrees; transformers keeps it); bf16 and fp16 logits never round together. No host
+    syncs (CUDA-graph safe).
 
     Args:
         logits: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
         temperature: a float > 0. top_k: >= 1 (more than the vocabulary keeps it all).
         top_p: in [0, 1] (1.0: no top-p). min_tokens_to_keep: top-p keeps at least this many.
-    Returns:
-        `[num_rows, vocab]` float32 probabilities.
     """
     check_tensor("logits", logits, ndim=2, dtypes=HALF_AND_FLOAT, device=logits.device)
     if not temperature > 0:
@@ -330,9 +326,8 @@ def truncated_softmax(
     if not 0.0 <= top_p <= 1.0:
         raise ValueError(f"top_p: expected a float in [0, 1], got {top_p!r}")
     num_rows, vocab = logits.shape
-    probs = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
     if num_rows == 0 or vocab == 0:
-        return probs
+        return torch.zeros(num_rows, 3, dtype=torch.float32, device=logits.device)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     temperature = float(temperature)
     head_logits = torch.topk(logits, min(top_k, vocab), dim=-1).values.float()  # [rows, k], descending
@@ -340,9 +335,9 @@ def truncated_softmax(
     best, kth = head[:, 0].contiguous(), head_logits[:, -1].contiguous()
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)
     sums = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-    warps = 4 if block >= 1024 else 1
     _truncated_partials_kernel[(num_rows, num_splits)](
-        logits, kth, best, sums, vocab, split_size, logits.stride(0), temperature, BLOCK_V=block, num_warps=warps,
+        logits, kth, best, sums, vocab, split_size, logits.stride(0), temperature, BLOCK_V=block,
+        num_warps=4 if block >= 1024 else 1,
     )  # fmt: skip
     top_k_norm = sums.sum(dim=1)
     threshold, norm = kth, top_k_norm
@@ -352,8 +347,19 @@ def truncated_softmax(
         # a cut above the k-th keeps candidates only; at the k-th, every tie of it (the pass's sum)
         kept_norm = torch.where(head_logits >= threshold[:, None], head_weights, 0.0).sum(dim=-1)
         norm = torch.where(threshold > kth, kept_norm, top_k_norm)
-    _truncated_write_kernel[(num_rows, num_splits)](
-        logits, threshold, best, norm, probs, vocab, split_size, logits.stride(0), probs.stride(0), temperature,
-        BLOCK_V=block, num_warps=warps,
-    )  # fmt: skip
-    return probs
+    return torch.stack([best, 1.0 / norm, threshold], dim=1)
+
+
+def truncated_softmax(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
+) -> torch.Tensor:
+    """Triton `truncated_softmax_ref`: temperature -> top-k -> top-p -> softmax, in float32, straight
+    from the model's logits (bf16 on the GPU): `truncation_stats`, then one pass writing the probabilities
+    of the tokens at or above each row's threshold.
+
+    Args: as `truncation_stats`.
+    Returns:
+        `[num_rows, vocab]` float32 probabilities.
+    """
+    stats = truncation_stats(logits, temperature, top_k, top_p, min_tokens_to_keep)
+    return _write_probabilities(logits, stats, float(temperature))

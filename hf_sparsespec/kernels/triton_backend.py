@@ -31,7 +31,12 @@ from hf_sparsespec.kernels.pillar_select import (
 from hf_sparsespec.kernels.shifts import shift_speculative_rows
 from hf_sparsespec.kernels.store_kv import store_kv
 from hf_sparsespec.kernels.store_rows import store_rows
-from hf_sparsespec.kernels.tempered_softmax import softmax_stats, tempered_softmax, truncated_softmax
+from hf_sparsespec.kernels.tempered_softmax import (
+    softmax_stats,
+    tempered_softmax,
+    truncated_softmax,
+    truncation_stats,
+)
 
 
 class TritonBackend:
@@ -101,6 +106,9 @@ class TritonBackend:
 
     def truncated_softmax(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
         return truncated_softmax(logits, temperature, top_k, top_p, min_tokens_to_keep)
+
+    def truncation_stats(self, logits, temperature, top_k, top_p, min_tokens_to_keep) -> torch.Tensor:
+        return truncation_stats(logits, temperature, top_k, top_p, min_tokens_to_keep)
 
     def store_rows(self, dst, index, src) -> None:
         store_rows(dst, index, src)

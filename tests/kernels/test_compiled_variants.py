@@ -79,24 +79,29 @@ def test_the_scoring_kernel_refuses_more_rows_than_max_rows():
         score_rows(36, max_rows=32)
 
 
+@pytest.mark.parametrize("stats_width", [2, 3], ids=["temperature", "truncated"])
 @pytest.mark.parametrize("vocab", [100, 4096, 4097, 151_936])
-def test_sampling_and_softmax_compile_one_variant_for_every_row_count(monkeypatch, vocab):
+def test_sampling_and_softmax_compile_one_variant_for_every_row_count(monkeypatch, vocab, stats_width):
     """`keyed_sample`'s fold and `tempered_softmax`'s write pass span a row's splits, whose number
     falls as the rows grow (interpreter: 4 SMs, so 1 to 32 splits of a 151,936-token vocabulary); one
-    split a row must not switch `keyed_sample` to its single-launch variant."""
+    split a row must not switch `keyed_sample` to its single-launch variant. The draws read logits with
+    two stats columns (temperature alone) or three (top-k / top-p, `truncation_stats`)."""
     names = {
         keyed_sample: ("_keyed_sample_kernel", "_fold_splits_kernel", "_probabilities_at_kernel"),
-        tempered_softmax: ("_softmax_partials_kernel", "_softmax_stats_kernel", "_softmax_write_kernel"),
+        tempered_softmax: ("_softmax_partials_kernel", "_softmax_stats_kernel", "_softmax_write_kernel",
+                           "_truncated_partials_kernel"),
     }
     recorders = {name: recorded(monkeypatch, module, name) for module, pair in names.items() for name in pair}
     splits = set()
     for num_rows in (1, 2, 3, 5, 8, 13, 31, 64, 300):
         logits = torch.zeros(num_rows, vocab, dtype=torch.float16)
-        stats = torch.zeros(num_rows, 2)  # the engine's path with temperature alone: draws from the logits
+        stats = torch.zeros(num_rows, stats_width)  # the engine's path: draws from the logits
         keyed_sample.keyed_sample(logits, torch.zeros(num_rows, 2, dtype=torch.int64), stats, 0.7)
         rows = torch.arange(num_rows)
         keyed_sample.probabilities_at(logits, rows, rows, stats, 0.7)
         tempered_softmax.tempered_softmax(logits, 0.7)
+        if stats_width == 3:
+            tempered_softmax.truncation_stats(logits, 0.7, 20, 0.9)
         splits.add(keyed_sample.vocabulary_splits(num_rows, vocab, keyed_sample.SAMPLE_PROGRAMS_PER_SM,
                                                   logits.device)[2])  # fmt: skip
     for name, recorder in recorders.items():

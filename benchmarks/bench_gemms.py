@@ -1,0 +1,100 @@
+"""The forward's GEMMs at the token counts a decode iteration has: how far each runs from its roofline.
+
+An iteration's GEMMs follow its tokens (AR: one per row; SparseSpec: one per draft row plus k + 1 per
+verification, ~1.9x AR's). For each projection of a model shape (the packed siblings: q/k/v as one
+GEMM, gate/up as one; then o, down and the LM head) and each token count, the median time of
+`torch.nn.functional.linear` in bf16 (cuBLAS, as the model runs it), its TFLOP/s and GB/s, and the
+larger of bytes / bandwidth and FLOPs / tensor rate as the ideal. The layer's projections run once
+per layer, so the table's "forward" row sums them x layers plus the LM head once.
+
+    python benchmarks/bench_gemms.py --model qwen2.5-1.5b --tokens 64,120,136,256,480,492,510,512,580
+    python benchmarks/bench_gemms.py --tokens 56:168:8,240:656:16      # ranges start:stop:step (stop excluded)
+
+Prints a table last; writes JSON to `--out` (a folder) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+# (hidden, q heads x head_dim, kv heads x head_dim, intermediate, vocab, layers)
+SHAPES = {"qwen2.5-1.5b": (1536, 1536, 256, 8960, 151936, 28), "qwen3-8b": (4096, 4096, 1024, 12288, 151936, 36)}
+
+
+def projections(name: str) -> list[tuple[str, int, int, int]]:
+    """(projection, in features, out features, times per forward)."""
+    hidden, q, kv, inter, vocab, layers = SHAPES[name]
+    return [("qkv (packed)", hidden, q + 2 * kv, layers), ("o", q, hidden, layers),
+            ("gate_up (packed)", hidden, 2 * inter, layers), ("down", inter, hidden, layers),
+            ("lm_head", hidden, vocab, 1)]  # fmt: skip
+
+
+def measure(tokens: int, features_in: int, features_out: int, copies: int) -> float:
+    """Median ms of one GEMM; rotates over `copies` weights so the L2 holds none of them."""
+    x = torch.randn(tokens, features_in, dtype=torch.bfloat16, device="cuda")
+    weights = [torch.randn(features_out, features_in, dtype=torch.bfloat16, device="cuda") * 0.02
+               for _ in range(copies)]  # fmt: skip
+    index = [0]
+
+    def step():
+        index[0] = (index[0] + 1) % copies
+        torch.nn.functional.linear(x, weights[index[0]])
+
+    return do_bench(step, warmup=25, rep=200, return_mode="median")
+
+
+def token_counts(spec: str) -> list[int]:
+    """`64,120` and ranges `start:stop:step` (stop excluded), comma-separated, in order, without repeats."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        bounds = [int(v) for v in part.split(":")]
+        values = range(*bounds) if len(bounds) > 1 else bounds
+        counts += [v for v in values if v not in counts]
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", default="64,120,136,256,480,492,510,512,580")
+    parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes / s (H100 ~3.0e12, H200 ~4.26e12)")
+    parser.add_argument("--flops", type=float, default=740e12, help="bf16 FLOP / s (measured, not the sheet's)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    counts = token_counts(args.tokens)
+    rows = []
+    for tokens in counts:
+        forward_ms = forward_ideal = 0.0
+        for projection, fan_in, fan_out, times in projections(args.model):
+            copies = max(2, int(120e6 // (fan_in * fan_out * 2)) + 1)
+            ms = measure(tokens, fan_in, fan_out, copies)
+            flops = 2 * tokens * fan_in * fan_out
+            moved = 2 * (fan_in * fan_out + tokens * (fan_in + fan_out))
+            ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
+            rows.append({"tokens": tokens, "projection": projection, "ms": ms, "tflops": flops / ms / 1e9,
+                         "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": times})  # fmt: skip
+            forward_ms += ms * times
+            forward_ideal += ideal * times
+        rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,
+                     "ideal_ms": forward_ideal, "times": 1})  # fmt: skip
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model}
+        (args.out / f"bench_gemms_{args.model}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model}, bf16")
+    print("| tokens | projection | ms | TFLOP/s | GB/s | ideal ms | ms / ideal | x per forward |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tflops = "-" if r["tflops"] is None else f"{r['tflops']:.0f}"
+        gbps = "-" if r["gbps"] is None else f"{r['gbps']:.0f}"
+        print(f"| {r['tokens']} | {r['projection']} | {r['ms']:.4f} | {tflops} | {gbps} | {r['ideal_ms']:.4f} | "
+              f"{r['ms'] / r['ideal_ms']:.2f} | {r['times']} |")
+
+
+if __name__ == "__main__":
+    main()
