@@ -194,7 +194,7 @@ MODULE_SUFFIXES = (
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
-    ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: temperature's probabilities written out, as before
+    ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: the sampling probabilities written out, as before
 )
 
 
