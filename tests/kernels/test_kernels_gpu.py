@@ -173,7 +173,7 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
         probabilities_at,
     )
     from hf_sparsespec.kernels.pillar_select import pillar_scores_into
-    from hf_sparsespec.kernels.tempered_softmax import softmax_stats
+    from hf_sparsespec.kernels.tempered_softmax import softmax_stats, truncation_stats
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
@@ -195,18 +195,18 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
         pillar_scores_into(query, k_cache, page_table, qs, lse, num_old, all_scores[:num_rows], 128**-0.5, 9,
                            max_rows=capacity)  # fmt: skip
 
-    store = torch.randn(40 * 8, vocab, device="cuda").to(BF16)  # the drafts' logits and stats (temperature alone)
-    store_stats = softmax_stats(store, 0.65)
+    store = torch.randn(40 * 8, vocab, device="cuda").to(BF16)  # the drafts' logits and stats
+    store_stats = [softmax_stats(store, 0.65), truncation_stats(store, 0.65, 20, 0.8)]  # temperature; top-k / top-p
 
     def sample(num_logits):
         logits = torch.randn(num_logits, vocab, device="cuda").to(BF16)
-        stats = softmax_stats(logits, 0.65)
-        keyed_sample(logits, torch.randint(0, 2**30, (num_logits, 2), device="cuda"), stats, 0.65)
-        draws = num_logits // 9  # the verifications' recovered tokens
-        rows, store_rows = torch.arange(draws, device="cuda") * 9, torch.arange(draws, device="cuda") - 1
-        keyed_sample_residual(logits, rows, store, store_rows, torch.randint(0, 2**30, (draws, 2), device="cuda"),
-                              stats, store_stats, 0.65)  # fmt: skip
-        probabilities_at(logits, rows, rows, stats, 0.65)  # the drafted tokens' p (and q, from the store)
+        for stats, stored in zip([softmax_stats(logits, 0.65), truncation_stats(logits, 0.65, 20, 0.8)], store_stats):
+            keyed_sample(logits, torch.randint(0, 2**30, (num_logits, 2), device="cuda"), stats, 0.65)
+            draws = num_logits // 9  # the verifications' recovered tokens
+            rows, store_rows = torch.arange(draws, device="cuda") * 9, torch.arange(draws, device="cuda") - 1
+            keyed_sample_residual(logits, rows, store, store_rows, torch.randint(0, 2**30, (draws, 2), device="cuda"),
+                                  stats, stored, 0.65)  # fmt: skip
+            probabilities_at(logits, rows, rows, stats, 0.65)  # the drafted tokens' p (and q, from the store)
 
     def hash_keys(num_rows):
         keyed_uniform(torch.randint(0, 2**30, (num_rows * 9 - 8, 2), device="cuda"))
