@@ -223,15 +223,17 @@ class LogitsPipeline:
         self, scores: torch.Tensor, token_buffer: torch.Tensor, rows: LogitsRows, num_steps: int | None = None
     ) -> torch.Tensor:
         """`scores [num_logits, vocab]` float32 -> processed scores (same shape), by every step or the
-        first `num_steps`."""
+        first `num_steps`. The vectorised history steps (min-length, repetition penalty) write `scores`
+        in place: pass a tensor the pipeline may overwrite (the engine's float copy of the logits)."""
         empty = scores.new_empty((scores.shape[0], 0), dtype=torch.long)
         for index, (processor, kind) in enumerate(self.steps[:num_steps]):
             if kind == "row":
                 scores = processor(empty, scores)
             elif kind == "min_length":  # only the eos columns change: touch only them
-                scores = scores.index_copy(1, *self._eos_ban(index, scores, rows))
+                scores = scores.index_copy_(1, *self._eos_ban(index, scores, rows))
             elif kind == "repetition":
-                scores = _repetition_penalty(processor.penalty, scores, token_buffer, rows, rows.params[self.param_index[index]])
+                ignore = rows.params[self.param_index[index]]
+                scores = _repetition_penalty_(processor.penalty, scores, token_buffer, rows, ignore)
             else:
                 scores = _by_prefix_length(processor, scores, token_buffer, rows)
         return scores
@@ -261,18 +263,22 @@ class Truncation:
     bans_only: bool  # the history steps only ban eos (`ban_eos_in_place` on the model's logits will do)
 
 
-def _repetition_penalty(penalty: float, scores, token_buffer, rows: LogitsRows, ignore: torch.Tensor) -> torch.Tensor:
-    """transformers' repetition penalty on every row at once: the tokens of each row's history
-    `[ignore, prefix_len)` are penalised (positions outside map to a spare column that is dropped)."""
-    vocab = scores.shape[1]
+def _repetition_penalty_(penalty: float, scores, token_buffer, rows: LogitsRows, ignore: torch.Tensor) -> torch.Tensor:
+    """transformers' repetition penalty on every row at once, in place on `scores`: the tokens of each
+    row's history `[ignore, prefix_len)` are penalised. A position outside that span writes what the
+    row's last position inside writes (the same token, the same penalised value: a repeated index of
+    `scatter_` is harmless when its values agree), or, in a row with none inside, token 0's own score:
+    no copy of the `[rows, vocab]` scores (a spare column would take two, ~0.6 GB at 256 requests)."""
     history = token_buffer[rows.slot]  # [num_logits, history_width]
     position = torch.arange(history.shape[1], device=scores.device)[None, :]
-    inside = (position < rows.prefix_len[:, None]) & (position >= ignore[:, None])
-    history = torch.where(inside, history, vocab)
-    padded = torch.nn.functional.pad(scores, (0, 1))
-    score = padded.gather(1, history)
-    score = torch.where(score < 0, score * penalty, score / penalty)
-    return padded.scatter(1, history, score)[:, :vocab]
+    prefix_len = rows.prefix_len[:, None]
+    inside = (position < prefix_len) & (position >= ignore[:, None])
+    any_inside = prefix_len > ignore[:, None]  # [num_logits, 1]
+    last = history.gather(1, (prefix_len - 1).clamp(min=0))  # the last position's token (inside when any is)
+    tokens = torch.where(inside, history, torch.where(any_inside, last, 0))
+    score = scores.gather(1, tokens)
+    penalised = torch.where(score < 0, score * penalty, score / penalty)
+    return scores.scatter_(1, tokens, torch.where(any_inside, penalised, score))
 
 
 def _by_prefix_length(processor, scores: torch.Tensor, token_buffer: torch.Tensor, rows: LogitsRows) -> torch.Tensor:

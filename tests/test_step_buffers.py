@@ -233,6 +233,34 @@ def test_builder_equals_the_per_row_construction(schedule):
 # --- the logits pipeline ---------------------------------------------------------------------------
 
 
+def test_repetition_penalty_in_place_equals_transformers_row_by_row():
+    """The vectorised repetition penalty writes the scores in place (no padded copy): every row equals
+    transformers' processor on its own history `[ignore, prefix_len)`, with tokens repeated in it (a
+    16-token vocabulary), rows whose span is empty (prefix at or below the ignored length, prefix 0),
+    negative and positive scores."""
+    from hf_sparsespec.sampling import LogitsRows
+
+    generator = torch.Generator().manual_seed(3)
+    vocab, width, n = 16, 12, 40
+    token_buffer = torch.randint(0, vocab, (5, width), generator=generator)
+    slot = torch.randint(0, 5, (n,), generator=generator)
+    prefix = torch.randint(0, width + 1, (n,), generator=generator)
+    ignore = torch.randint(0, 6, (n,), generator=generator)
+    prefix[:3], ignore[:3] = torch.tensor([0, 2, 4]), torch.tensor([0, 3, 4])  # empty spans
+    scores = torch.randn(n, vocab, generator=generator) * 3
+    rows = LogitsRows(slot=slot, prefix_len=prefix, params=ignore[None, :])
+    pipeline = LogitsPipeline([lp.RepetitionPenaltyLogitsProcessor(1.4)])
+    overwritten = scores.clone()
+    processed = pipeline(overwritten, token_buffer, rows)
+    assert processed.data_ptr() == overwritten.data_ptr()  # in place
+    for i in range(n):
+        own = lp.RepetitionPenaltyLogitsProcessor(1.4)
+        history = token_buffer[slot[i], int(ignore[i]) : int(prefix[i])][None]
+        expected = own(history, scores[i : i + 1].clone()) if history.shape[1] else scores[i : i + 1]
+        assert torch.equal(processed[i : i + 1], expected), i
+    assert not torch.equal(processed, scores)
+
+
 @pytest.mark.parametrize("ignore", [None, 2, "per_row"])
 def test_single_pipeline_equals_per_row_processors(ignore):
     """Rows of requests with different prompt lengths (and paddings), history-dependent processors:

@@ -84,7 +84,7 @@ def test_fused_path_equals_the_pipeline_then_softmax(dtype):
     logits = (torch.randn(6, 50, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     rows = LogitsRows(slot=torch.arange(6), prefix_len=torch.tensor([3, 40, 12, 29, 30, 31]),
                       params=torch.full((1, 6), 30))  # fmt: skip
-    expected = torch.softmax(pipeline(logits.float(), torch.zeros(6, 64, dtype=torch.long), rows), dim=-1)
+    expected = torch.softmax(pipeline(logits.float().clone(), torch.zeros(6, 64, dtype=torch.long), rows), dim=-1)
     fused = tempered_softmax_ref(pipeline.ban_eos_in_place(logits.clone(), rows), pipeline.fused_temperature)
     assert torch.equal(fused, expected)
     banned = torch.tensor([True, False, True, True, False, False])
