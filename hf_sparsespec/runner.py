@@ -127,6 +127,9 @@ class ModelRunner:
         self.temperature = pipeline.fused_temperature if do_sample else None
         self.truncation = pipeline.fused_truncation if do_sample and self.temperature is None else None
         self.from_logits = (self.temperature is not None or self.truncation is not None) and bool(SAMPLE_FROM_LOGITS)
+        # greedy with min-length bans at most: the argmax of the model's logits (bans in place on them), as
+        # of their float32 copy (the conversion is exact and keeps the order), without writing that copy
+        self.greedy_on_logits = not do_sample and all(kind == "min_length" for _, kind in pipeline.steps)
         self.draft_store: Distributions | None = None  # the drafts' distributions until their verification
         if do_sample and k > 0:
             rows = (num_slots + 1) * k
@@ -462,6 +465,8 @@ class ModelRunner:
                 dists = Distributions(history, self.backend.truncation_stats(*truncated), t.temperature)
             else:
                 dists = Distributions(self.backend.truncated_softmax(*truncated))
+        elif self.greedy_on_logits:
+            scores = self.pipeline.ban_eos_in_place(logits, rows)
         else:
             scores = self.pipeline(logits.float(), self.token_buffer, rows)
             dists = Distributions(torch.softmax(scores, dim=-1)) if self.do_sample else None

@@ -198,3 +198,33 @@ def test_iterations_that_only_prefill_a_chunk(do_sample):
     assert out.shape == (1, 32)
     if not do_sample:
         assert_greedy_equal(model, model.generate(**kwargs), out)
+
+
+@pytest.mark.parametrize("min_new_tokens", [None, 12], ids=["no-processors", "min-new-tokens"])
+def test_greedy_takes_the_argmax_of_half_precision_logits_without_a_float_copy(min_new_tokens, monkeypatch):
+    """Greedy with min-length bans at most reads the argmax straight from the model's fp16 logits (the
+    bans in place on them): the tokens of the argmax over their float32 copy, the processors' path,
+    which a repetition penalty still takes."""
+    model = tiny_model("qwen2").half()
+    ids, mask = ragged_batch([9, 14, 5])
+    config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, page_size=4)
+    flags, original = [], ModelRunner.__init__
+
+    def runner_reading(logits: bool):
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            flags.append(self.greedy_on_logits)
+            self.greedy_on_logits = self.greedy_on_logits and logits
+
+        monkeypatch.setattr(ModelRunner, "__init__", init)
+
+    extra = dict(min_new_tokens=min_new_tokens, eos_token_id=7) if min_new_tokens else {}
+    runner_reading(logits=True)
+    out = sparsespec(model, ids, mask, 16, config, **extra)
+    runner_reading(logits=False)
+    copied = sparsespec(model, ids, mask, 16, config, **extra)
+    assert flags == [True, True] and torch.equal(out.sequences, copied.sequences)
+    if min_new_tokens:
+        assert (out.sequences[:, 14:26] != 7).all()
+    sparsespec(model, ids, mask, 4, config, repetition_penalty=1.2)
+    assert flags[-1] is False
