@@ -5,6 +5,8 @@ engine configurations side by side in one process (random weights of a real shap
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 64 --prompt-tokens 4000 --runs ar,pillar
     python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --prompt-tokens 8000 --top-k 20 --top-p 0.8 \
         --runs induction_diagonal,induction_diagonal_unfused,induction_diagonal_overlap
+    python benchmarks/profile_step.py --random qwen2.5-1.5b --batch 256 --prompt-tokens 1000 --top-k 20 --top-p 0.8 \
+        --repetition-penalty 1.05 --runs induction_diagonal_compiled,induction_diagonal_compiled_fromlogits0
 
 Per run (names as in e2e_throughput.py, with its `_k<n>`, `_fullsplit<n>`, `_scoregrid<n>`, `_scorechunk<n>`
 and `_unfused` suffixes; graphs on unless the run turns them off): the engine decodes
@@ -66,8 +68,10 @@ def _measure(model, prompts, args, run: str) -> dict:
     prefill_bound = sum(len(p) for p in prompts) // config.prefill_chunk_size + len(prompts)
     timed = args.warm_iterations + args.iterations + (args.profile_iterations if args.profile else 0)
     n = max(args.new_tokens, prefill_bound + timed + 1)
-    gen = GenerationConfig(do_sample=True, temperature=0.65, top_k=args.top_k, top_p=args.top_p, max_new_tokens=n,
-                           min_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    sampling = dict(do_sample=False) if args.greedy else dict(do_sample=True, temperature=0.65, top_k=args.top_k,
+                                                               top_p=args.top_p)  # fmt: skip
+    gen = GenerationConfig(**sampling, repetition_penalty=args.repetition_penalty, max_new_tokens=n, min_new_tokens=n,
+                           eos_token_id=None, pad_token_id=0)  # fmt: skip
     job = prepare_batch(model, prompts, gen)
     engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
     runner = engine.runner
@@ -153,6 +157,9 @@ def main() -> None:
     )
     parser.add_argument("--top-k", type=int, default=0, help="sampling's top-k (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sampling's top-p (1.0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="transformers' repetition penalty (1.0: off; Qwen2.5's model cards: 1.05)")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling at T=0.65")
     parser.add_argument("--warm-iterations", type=int, default=60)
     parser.add_argument("--iterations", type=int, default=36)
     parser.add_argument("--profile", action="store_true", help="also trace kernels (torch.profiler)")
