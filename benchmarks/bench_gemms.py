@@ -34,7 +34,7 @@ def projections(name: str) -> list[tuple[str, int, int, int]]:
             ("lm_head", hidden, vocab, 1)]  # fmt: skip
 
 
-def measure(tokens: int, features_in: int, features_out: int, copies: int) -> float:
+def measure(tokens: int, features_in: int, features_out: int, copies: int, linear=torch.nn.functional.linear) -> float:
     """Median ms of one GEMM; rotates over `copies` weights so the L2 holds none of them."""
     x = torch.randn(tokens, features_in, dtype=torch.bfloat16, device="cuda")
     weights = [torch.randn(features_out, features_in, dtype=torch.bfloat16, device="cuda") * 0.02
@@ -43,9 +43,17 @@ def measure(tokens: int, features_in: int, features_out: int, copies: int) -> fl
 
     def step():
         index[0] = (index[0] + 1) % copies
-        torch.nn.functional.linear(x, weights[index[0]])
+        linear(x, weights[index[0]])
 
     return do_bench(step, warmup=25, rep=200, return_mode="median")
+
+
+def autotuned_linear():
+    """`linear` compiled by inductor with GEMM autotuning (its Triton templates against cuBLAS, per shape)."""
+    torch._dynamo.config.cache_size_limit = 1024
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 1024
+    return torch.compile(torch.nn.functional.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
 
 
 def token_counts(spec: str) -> list[int]:
@@ -65,7 +73,10 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes / s (H100 ~3.0e12, H200 ~4.26e12)")
     parser.add_argument("--flops", type=float, default=740e12, help="bf16 FLOP / s (measured, not the sheet's)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time inductor's autotuned GEMM (max-autotune: Triton templates or cuBLAS) per shape")
     args = parser.parse_args()
+    tuned = autotuned_linear() if args.autotune else None
     counts = token_counts(args.tokens)
     rows = []
     for tokens in counts:
@@ -78,6 +89,11 @@ def main() -> None:
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
             rows.append({"tokens": tokens, "projection": projection, "ms": ms, "tflops": flops / ms / 1e9,
                          "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": times})  # fmt: skip
+            if tuned is not None:
+                tuned_ms = measure(tokens, fan_in, fan_out, copies, tuned)
+                rows.append({"tokens": tokens, "projection": f"{projection}, autotuned", "ms": tuned_ms,
+                             "tflops": flops / tuned_ms / 1e9, "gbps": moved / tuned_ms / 1e6, "ideal_ms": ideal,
+                             "times": times})  # fmt: skip
             forward_ms += ms * times
             forward_ideal += ideal * times
         rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,

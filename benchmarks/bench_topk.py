@@ -1,0 +1,34 @@
+"""What `torch.topk` costs over an iteration's logits rows (the truncated sampling path's candidates), by
+dtype and k, next to one read of the rows (the floor of any one-pass selection) and their float32 copy.
+
+    python benchmarks/bench_topk.py --rows 484 --vocab 151936 --k 20,50,1024
+
+Prints a table (median ms, CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=484)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--k", default="20,50")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, [{args.rows}, {args.vocab}]")
+    print("| dtype | op | ms |")
+    print("|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(args.rows, args.vocab, device="cuda").to(dtype)
+        ops = [("amax (one read)", lambda x=x: x.amax(dim=-1)), ("float32 copy", lambda x=x: x.float().clone())]
+        ops += [(f"topk k={k}", lambda x=x, k=int(k): torch.topk(x, k, dim=-1)) for k in args.k.split(",")]
+        for name, op in ops:
+            print(f"| {dtype} | {name} | {do_bench(op, warmup=25, rep=200, return_mode='median'):.4f} |")
+
+if __name__ == "__main__":
+    main()
