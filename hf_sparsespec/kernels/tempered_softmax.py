@@ -24,11 +24,11 @@ rows x 152K) that was 300 MB written, then the one-token rows' 140 MB read by th
 again into the drafts' store (which now keeps the drafts' logits, half the bytes, and stats).
 
 `truncation_stats` (`LogitsPipeline.fused_truncation`: temperature -> top-k -> top-p, the models' own
-sampling configs) takes the same pass around one `torch.topk`: the candidates give the row's maximum
+sampling configs) takes the same pass around one top-k (`top_values`): the candidates give the row's maximum
 and the k-th logit, `_truncated_partials_kernel` sums top-k's softmax over every token at or above the
 k-th (ties beyond the k included), and top-p's cut is found among the candidates; a row's stats get a
 third column, the smallest kept logit, below which every reader reads 0. `truncated_softmax` writes
-those probabilities out (the torch backend's reference path, and the ablation). transformers' top-p
+those probabilities out (the ablation, `runner.SAMPLE_FROM_LOGITS = 0`, on either backend). transformers' top-p
 sorts every row's whole vocabulary: at 256 rows x 8K contexts a SparseSpec iteration took 21.88 ms
 through the processors, 15.51 ms with a torch-only version of this path, 13.46 ms with the written
 Triton one (H200, docs/measurements.md 17).
