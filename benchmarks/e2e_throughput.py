@@ -98,7 +98,7 @@ from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
-from hf_sparsespec.kernels import attention_plan, pillar_select
+from hf_sparsespec.kernels import attention_plan, pillar_select, tempered_softmax
 from hf_sparsespec.sampling import LogitsPipeline
 
 
@@ -195,6 +195,7 @@ MODULE_SUFFIXES = (
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
     ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: the sampling probabilities written out, as before
+    ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k / top-p candidates in two stages (`top_values`)
 )
 
 

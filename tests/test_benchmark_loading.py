@@ -169,6 +169,16 @@ def test_the_padding_suffix_sets_the_row_buckets_steps_for_its_run_only():
         "induction_diagonal_compiled_refresh2", None)  # fmt: skip
 
 
+def test_the_topk_chunk_suffix_sets_the_candidates_chunk_for_its_run_only():
+    from e2e_throughput import run_settings
+
+    from hf_sparsespec.kernels import tempered_softmax
+
+    with run_settings("induction_diagonal_compiled_fromlogits0_topkchunk1024"):
+        assert tempered_softmax.TOPK_CHUNK == 1024
+    assert tempered_softmax.TOPK_CHUNK == 0
+
+
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     from e2e_throughput import run_settings
 
