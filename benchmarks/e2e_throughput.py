@@ -597,6 +597,8 @@ def print_tables(report: dict) -> None:
     decoding = "greedy" if greedy else f"T={args['temperature']}"
     if not greedy and (args["top_k"] != "0" or float(args["top_p"]) < 1.0):
         decoding += f", top-k {args['top_k'] if args['top_k'] != '0' else 'off'}, top-p {args['top_p']}"
+    if float(args.get("repetition_penalty", "1.0")) != 1.0:  # reports before the field have none
+        decoding += f", repetition penalty {args['repetition_penalty']}"
     print(f"\n{meta['model']}, batch {args['batch']} x {args['new_tokens']} new tokens ({args['stop']}), "
           f"{dtype}, {decoding}, k=8, budget_ratio 0.05, min_budget {args['min_budget']}; "
           f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
@@ -672,6 +674,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0,
                         help="top-k of the sampling (0: off; Qwen's own generation configs use 20)")
     parser.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling (1.0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="transformers' repetition penalty (1.0: off; Qwen2.5's model cards: 1.05)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--device", default="cuda")
@@ -713,7 +717,8 @@ def main() -> None:
     sampling = dict(do_sample=False) if args.greedy else dict(do_sample=True, temperature=args.temperature,
                                                                top_k=args.top_k, top_p=args.top_p)  # fmt: skip
     forced = dict(min_new_tokens=n) if args.stop == "forced" else {}
-    settings = dict(**sampling, max_new_tokens=n, **forced, eos_token_id=eos, pad_token_id=pad)
+    settings = dict(**sampling, repetition_penalty=args.repetition_penalty, max_new_tokens=n, **forced,
+                    eos_token_id=eos, pad_token_id=pad)  # fmt: skip
     gen_config = GenerationConfig(**settings)
     roofline = measure_roofline(args.device) if args.roofline == "measured" else H200_ROOFLINE
     print(f"roofline ({roofline.source}): {roofline.hbm_bytes_per_s / 1e12:.2f} TB/s, "
