@@ -34,88 +34,56 @@ def test_greedy_sparsespec_on_triton_backend_matches_generate(device, selection)
         assert total.accepted_drafts == total.drafted_tokens > 0
 
 
+# (sampling settings, the fused path's backend method, the pipeline property that enables it, stats columns)
+LOGITS_SAMPLING = {
+    "temperature": (dict(top_k=0, top_p=1.0), "softmax_stats", "fused_temperature", 2),
+    "top-k-top-p": (dict(top_k=20, top_p=0.8), "truncation_stats", "fused_truncation", 3),
+}
+
+
+@pytest.mark.parametrize("sampling", list(LOGITS_SAMPLING))
 @pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
-def test_top_k_top_p_sampling_on_triton_backend_reads_the_logits(num_draft_tokens, device, monkeypatch):
-    """Sampling with a model card's top-k / top-p after a min-length ban: the Triton backend draws,
-    accepts and recovers from the logits (the ban in place on them) and each row's `truncation_stats`
-    (the drafts' store keeps logits, in the model's dtype, and three stats columns), and gives exactly
-    the tokens of the processors-then-softmax path, and of the written `truncated_softmax` (the ablation)."""
+def test_sampling_on_triton_backend_reads_the_logits(num_draft_tokens, sampling, device, monkeypatch):
+    """Temperature alone, or a model card's top-k / top-p, after a min-length ban: the Triton backend
+    draws, accepts and recovers from the logits (the ban in place on them) and each row's stats
+    (`softmax_stats`, or `truncation_stats` with a third column); the drafts' store keeps logits in the
+    model's dtype. The tokens are exactly those of the processors-then-softmax path, and of the written
+    probabilities (`runner.SAMPLE_FROM_LOGITS = 0`, the path before: the same bits of every probability
+    the two paths read)."""
     from models import assert_fused_draws_the_unfused_tokens
 
     from hf_sparsespec import runner as runner_module
     from hf_sparsespec.kernels.triton_backend import TritonBackend
     from hf_sparsespec.runner import ModelRunner
 
+    truncation, fused, enabled_by, columns = LOGITS_SAMPLING[sampling]
     stores = []
     original = ModelRunner._store_drafts
-    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
-                        or original(self, *args))  # fmt: skip
+
+    def record_stores():
+        monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
+                            or original(self, *args))  # fmt: skip
+
+    record_stores()
     model = tiny_model("qwen2").to(torch.float16 if device.type == "cpu" else torch.bfloat16).to(device)
     ids, mask = (x.to(device) for x in ragged_batch([9, 14]))
     config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=4, page_size=4, backend="triton")
-    sample = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, min_new_tokens=12, eos_token_id=7,
+    sample = dict(do_sample=True, temperature=0.7, **truncation, min_new_tokens=12, eos_token_id=7,
                   max_new_tokens=16, generation_strategy="sparsespec", sparsespec_config=config,
                   return_dict_in_generate=True)  # fmt: skip
     out = assert_fused_draws_the_unfused_tokens(
-        monkeypatch, TritonBackend, "truncation_stats", "fused_truncation",
+        monkeypatch, TritonBackend, fused, enabled_by,
         lambda: model.generate(input_ids=ids, attention_mask=mask, **sample),
     )  # fmt: skip
     assert (out.sequences[:, 14:26] != 7).all()
     if num_draft_tokens:
         store = stores[0]
-        assert store.from_logits and store.values.dtype == model.dtype and store.stats.shape[1] == 3
+        assert store.from_logits and store.values.dtype == model.dtype and store.stats.shape[1] == columns
         total = out.sparsespec_stats.total
         assert 0 < total.accepted_drafts < total.drafted_tokens  # both acceptance and recovery ran
-    # the ablation that writes the probabilities out (`runner.SAMPLE_FROM_LOGITS = 0`): the same tokens
     monkeypatch.undo()
     stores.clear()
-    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
-                        or original(self, *args))  # fmt: skip
-    monkeypatch.setattr(runner_module, "SAMPLE_FROM_LOGITS", 0)
-    torch.manual_seed(7)
-    written = model.generate(input_ids=ids, attention_mask=mask, **sample)
-    assert torch.equal(written.sequences, out.sequences)
-    if num_draft_tokens:
-        assert not stores[0].from_logits and stores[0].values.dtype == torch.float32
-
-
-@pytest.mark.parametrize("num_draft_tokens", [4, 0], ids=["sparsespec", "autoregressive"])
-def test_temperature_only_sampling_on_triton_backend_reads_the_logits(num_draft_tokens, device, monkeypatch):
-    """Temperature alone after a min-length ban: the Triton backend draws, accepts and recovers from the
-    logits and each row's `softmax_stats` (the drafts' store keeps logits, in the model's dtype), and
-    gives exactly the tokens of the processors-then-softmax path."""
-    from models import assert_fused_draws_the_unfused_tokens
-
-    from hf_sparsespec import runner as runner_module
-    from hf_sparsespec.kernels.triton_backend import TritonBackend
-    from hf_sparsespec.runner import ModelRunner
-
-    stores = []
-    original = ModelRunner._store_drafts
-    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
-                        or original(self, *args))  # fmt: skip
-    model = tiny_model("qwen2").to(torch.float16 if device.type == "cpu" else torch.bfloat16).to(device)
-    ids, mask = (x.to(device) for x in ragged_batch([9, 14]))
-    config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=4, page_size=4, backend="triton")
-    sample = dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, min_new_tokens=12, eos_token_id=7,
-                  max_new_tokens=16, generation_strategy="sparsespec", sparsespec_config=config,
-                  return_dict_in_generate=True)  # fmt: skip
-    out = assert_fused_draws_the_unfused_tokens(
-        monkeypatch, TritonBackend, "softmax_stats", "fused_temperature",
-        lambda: model.generate(input_ids=ids, attention_mask=mask, **sample),
-    )  # fmt: skip
-    assert (out.sequences[:, 14:26] != 7).all()
-    if num_draft_tokens:
-        store = stores[0]
-        assert store.from_logits and store.values.dtype == model.dtype and store.stats.dtype == torch.float32
-        total = out.sparsespec_stats.total
-        assert 0 < total.accepted_drafts < total.drafted_tokens  # both acceptance and recovery ran
-    # the ablation that writes the probabilities out (`runner.SAMPLE_FROM_LOGITS = 0`, the path before):
-    # the same tokens, to the bit of every probability the two paths read
-    monkeypatch.undo()
-    stores.clear()
-    monkeypatch.setattr(ModelRunner, "_store_drafts", lambda self, *args: stores.append(self.draft_store)
-                        or original(self, *args))  # fmt: skip
+    record_stores()
     monkeypatch.setattr(runner_module, "SAMPLE_FROM_LOGITS", 0)
     torch.manual_seed(7)
     written = model.generate(input_ids=ids, attention_mask=mask, **sample)
