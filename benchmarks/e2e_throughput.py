@@ -191,6 +191,7 @@ def unfused_sampling(active: bool):
 MODULE_SUFFIXES = (
     ("_fullsplit", attention_plan, "MIN_KEYS_PER_FULL_SPLIT"),
     ("_verifysplit", attention_plan, "MIN_KEYS_PER_VERIFY_SPLIT"),
+    ("_verifywide", attention_plan, "WIDE_KEYS_PER_VERIFY_SPLIT"),  # the verifications' floor where programs allow
     ("_scoregrid", pillar_select, "SCORE_PROGRAMS_PER_SM"),
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add

@@ -47,6 +47,13 @@ KEY_ALIGN = 64
 MIN_KEYS_PER_SPLIT = 256
 MIN_KEYS_PER_FULL_SPLIT = 1024
 MIN_KEYS_PER_VERIFY_SPLIT = 256
+# A wider floor for the verification tiles, taken when the launch keeps at least WIDE_VERIFY_MIN_SHARE of
+# the programs it aims for with it (0: never). One layer's mixed launch on the H100 (docs/measurements.md
+# 31, floors 512 against 256) took 8 % less at 64 rows x 8K and 3-5 % less at 256 x 1K-2K, where 512
+# leaves >= 3 programs an SM, the same at 64 x 4K (2.6), and 12-25 % more at 64 x 1K-2K (~1). Off until
+# measured end to end (`_verifywide512` runs).
+WIDE_KEYS_PER_VERIFY_SPLIT = 0
+WIDE_VERIFY_MIN_SHARE = 0.75
 # Programs the decomposition aims for, per multiprocessor (several waves hide the tail).
 PROGRAMS_PER_SM = 4
 # The largest packed query tile (queries x GQA group) of full rows.
@@ -189,6 +196,10 @@ def plan_work_lists(
     several_queries = q_lens[row] > 1
     floor = np.where(is_full, np.where(several_queries, min_keys_per_verify_split, min_keys_per_full_split),
                      min_keys_per_split)  # fmt: skip
+    if WIDE_KEYS_PER_VERIFY_SPLIT > min_keys_per_verify_split:
+        wide = np.where(is_full & several_queries, WIDE_KEYS_PER_VERIFY_SPLIT, floor)
+        if np.maximum(1, -(-num_keys // np.maximum(chunk, wide))).sum() >= WIDE_VERIFY_MIN_SHARE * items:
+            floor = wide
     num_splits = np.maximum(1, -(-num_keys // np.maximum(chunk, floor)))
     size = -(-num_keys // num_splits)
     size = np.where(size > KEY_ALIGN, -(-size // KEY_ALIGN) * KEY_ALIGN, size)
