@@ -197,6 +197,7 @@ MODULE_SUFFIXES = (
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
     ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: the sampling probabilities written out, as before
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k / top-p candidates in two stages (`top_values`)
+    ("_autotune", model_runner, "AUTOTUNE_GEMMS"),  # 1: the compiled forward's GEMMs autotuned by inductor
 )
 
 

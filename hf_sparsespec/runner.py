@@ -56,6 +56,10 @@ MAX_GRAPHS = 512
 # (`tempered_softmax`, `truncated_softmax`), as before: the same tokens, kept as an ablation
 # (`benchmarks/e2e_throughput.py`'s `_fromlogits0` runs).
 SAMPLE_FROM_LOGITS = 1
+# 1: a compiled forward's GEMMs are autotuned by inductor (its Triton templates against cuBLAS, per shape
+# hint; minutes more compilation). 0 leaves them to cuBLAS. Off until measured end to end (`_autotune1`
+# runs); `benchmarks/bench_gemms.py --autotune` compares the two GEMM by GEMM.
+AUTOTUNE_GEMMS = 0
 
 
 @dataclass
@@ -624,10 +628,14 @@ class ModelRunner:
 
     def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         forward = self.compiled_forward if step.compiled else self._model_logits
-        fusing = step.compiled and self.fuse_projections is not None  # read when a compilation runs
+        compile_options = {}  # read when a compilation runs
+        if step.compiled and self.fuse_projections is not None:
+            compile_options["pre_grad_custom_pass"] = self.fuse_projections
+        if step.compiled and AUTOTUNE_GEMMS:
+            compile_options["max_autotune_gemm"] = True
         self.cache.active_step = step
         try:
-            with torch._inductor.config.patch(pre_grad_custom_pass=self.fuse_projections) if fusing else nullcontext():
+            with torch._inductor.config.patch(compile_options) if compile_options else nullcontext():
                 logits = forward(input_ids, position_ids, logits_index, step)
         finally:
             self.cache.active_step = None

@@ -145,3 +145,36 @@ def test_pack_projections_needs_the_compiled_forward():
 def test_the_default_packs_whenever_the_forward_is_compiled(compile_forward, pack, packs):
     config = SparseSpecConfig(compile_forward=compile_forward, pack_projections=pack)
     assert config.packs_projections is packs
+
+
+@pytest.mark.parametrize("autotune", [0, 1])
+def test_the_compiled_forward_autotunes_its_gemms_only_when_asked(autotune, monkeypatch):
+    """`runner.AUTOTUNE_GEMMS` reaches inductor's config around the compiled forward (read when it
+    compiles), beside the sibling-projection pass; eager iterations see neither."""
+    from hf_sparsespec import runner as model_runner
+
+    monkeypatch.setattr(model_runner, "AUTOTUNE_GEMMS", autotune)
+    model = tiny_model("qwen2", num_hidden_layers=2)
+    config = SparseSpecConfig(num_draft_tokens=2, min_budget=2, page_size=4, compile_forward=True,
+                              selection="induction_diagonal", backend="torch")  # fmt: skip
+    seen = []
+
+    def build_engine(*args, **kwargs):  # the compiled call replaced by the eager one, which records the config
+        engine, requests = original(*args, **kwargs)
+        eager = engine.runner._model_logits
+
+        def recording(*call_args):
+            seen.append((torch._inductor.config.max_autotune_gemm, torch._inductor.config.pre_grad_custom_pass))
+            return eager(*call_args)
+
+        engine.runner.compiled_forward = recording
+        return engine, requests
+
+    import test_step_buffers
+
+    original = test_step_buffers._build_engine
+    monkeypatch.setattr(test_step_buffers, "_build_engine", build_engine)
+    _run_engine(model, PROMPTS, config, pad=True, max_new_tokens=8)
+    assert seen and {autotune_gemm for autotune_gemm, _ in seen} == {bool(autotune)}
+    assert all(isinstance(fusing, pp.FuseSiblingLinears) for _, fusing in seen)
+    assert torch._inductor.config.max_autotune_gemm is False and torch._inductor.config.pre_grad_custom_pass is None
