@@ -98,7 +98,7 @@ from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
-from hf_sparsespec.kernels import attention_plan, pillar_select, tempered_softmax
+from hf_sparsespec.kernels import _attention_tile, attention_plan, pillar_select, tempered_softmax
 from hf_sparsespec.sampling import LogitsPipeline
 
 
@@ -198,6 +198,7 @@ MODULE_SUFFIXES = (
     ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: the sampling probabilities written out, as before
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k / top-p candidates in two stages (`top_values`)
     ("_autotune", model_runner, "AUTOTUNE_GEMMS"),  # 1: the compiled forward's GEMMs autotuned by inductor
+    ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
 )
 
 

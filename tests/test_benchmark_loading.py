@@ -203,14 +203,15 @@ def test_the_topk_chunk_suffix_sets_the_candidates_chunk_for_its_run_only():
     assert tempered_softmax.TOPK_CHUNK == 0
 
 
-def test_the_autotune_suffix_autotunes_the_compiled_gemms_for_its_run_only():
+def test_the_autotune_and_merge_block_suffixes_set_their_constants_for_their_run_only():
     from e2e_throughput import run_fields, run_settings
 
     from hf_sparsespec import runner
+    from hf_sparsespec.kernels import _attention_tile
 
-    with run_settings("induction_diagonal_compiled_topkchunk1024_autotune1"):
-        assert runner.AUTOTUNE_GEMMS == 1
-    assert runner.AUTOTUNE_GEMMS == 0
+    with run_settings("induction_diagonal_compiled_topkchunk1024_autotune1_mergeblock1"):
+        assert runner.AUTOTUNE_GEMMS == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1
+    assert runner.AUTOTUNE_GEMMS == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8
     assert run_fields("induction_diagonal_compiled_autotune1", None) == run_fields("induction_diagonal_compiled", None)
 
 
