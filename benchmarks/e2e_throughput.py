@@ -199,7 +199,11 @@ MODULE_SUFFIXES = (
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k / top-p candidates in two stages (`top_values`)
     ("_autotune", model_runner, "AUTOTUNE_GEMMS"),  # 1: the compiled forward's GEMMs autotuned by inductor
     ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
+    ("_tritonlinear", model_runner, "TRITON_LINEARS"),  # 1: the compiled forward's linears by the tuned op
 )
+# Settings read when the forward compiles: dynamo keeps one cache per code object and does not guard on
+# them, so a run that sets one compiles from scratch (and the run after it again).
+COMPILE_SETTINGS = ("AUTOTUNE_GEMMS", "TRITON_LINEARS")
 
 
 def split_module_settings(run: str) -> tuple[str, list[tuple[object, str, int]]]:
@@ -220,6 +224,9 @@ def run_settings(run: str):
     (`unfused_sampling`) and, before it, `MODULE_SUFFIXES`."""
     _, settings = split_module_settings(run)
     saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    recompiles = any(name in COMPILE_SETTINGS for _, name, _ in settings)
+    if recompiles:
+        torch._dynamo.reset()
     for module, name, value in settings:
         setattr(module, name, value)
     try:
@@ -228,6 +235,8 @@ def run_settings(run: str):
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+        if recompiles:
+            torch._dynamo.reset()
 
 
 def run_fields(run: str, args) -> dict:

@@ -209,9 +209,9 @@ def test_the_autotune_and_merge_block_suffixes_set_their_constants_for_their_run
     from hf_sparsespec import runner
     from hf_sparsespec.kernels import _attention_tile
 
-    with run_settings("induction_diagonal_compiled_topkchunk1024_autotune1_mergeblock1"):
-        assert runner.AUTOTUNE_GEMMS == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1
-    assert runner.AUTOTUNE_GEMMS == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8
+    with run_settings("induction_diagonal_compiled_topkchunk1024_autotune1_mergeblock1_tritonlinear1"):
+        assert runner.AUTOTUNE_GEMMS == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1 and runner.TRITON_LINEARS == 1
+    assert runner.AUTOTUNE_GEMMS == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8 and runner.TRITON_LINEARS == 0
     assert run_fields("induction_diagonal_compiled_autotune1", None) == run_fields("induction_diagonal_compiled", None)
 
 
@@ -461,3 +461,20 @@ def test_a_triton_compile_is_recorded_with_its_specialisation():
     ((iteration, seconds, kernel),) = log
     assert iteration == 9020 and 0 <= seconds < 5
     assert kernel == "_mixed_attention_kernel[num_warps=4, num_stages=3] constants={(26,): 1} attrs={(0,): [['tt.divisibility', 16]]}"
+
+
+def test_runs_that_change_the_compilation_compile_afresh(monkeypatch):
+    """Dynamo does not guard on the settings a compilation reads: a run that sets one starts from an empty
+    dynamo cache and leaves one behind (the next run compiles without it); other settings reset nothing."""
+    from e2e_throughput import run_settings
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    with run_settings("induction_diagonal_compiled_mergeblock1"):
+        assert resets == []
+    with run_settings("induction_diagonal_compiled_tritonlinear1"):
+        assert resets == [1]
+    assert resets == [1, 1]
+    with run_settings("ar_compiled_autotune1"):
+        pass
+    assert len(resets) == 4
