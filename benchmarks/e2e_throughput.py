@@ -202,8 +202,9 @@ MODULE_SUFFIXES = (
     ("_tritonlinear", model_runner, "TRITON_LINEARS"),  # 1: the compiled forward's linears by the tuned op
 )
 # Settings read when the forward compiles: dynamo keeps one cache per code object and does not guard on
-# them, so a run that sets one compiles from scratch (and the run after it again).
+# them, so a run whose compile settings differ from the previous run's compiles from scratch.
 COMPILE_SETTINGS = ("AUTOTUNE_GEMMS", "TRITON_LINEARS")
+_compiled_with: list[dict] = [{}]  # the compile settings of dynamo's cache (the last run's)
 
 
 def split_module_settings(run: str) -> tuple[str, list[tuple[object, str, int]]]:
@@ -224,9 +225,10 @@ def run_settings(run: str):
     (`unfused_sampling`) and, before it, `MODULE_SUFFIXES`."""
     _, settings = split_module_settings(run)
     saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
-    recompiles = any(name in COMPILE_SETTINGS for _, name, _ in settings)
-    if recompiles:
+    compiled_with = {name: value for _, name, value in settings if name in COMPILE_SETTINGS}
+    if compiled_with != _compiled_with[0]:
         torch._dynamo.reset()
+        _compiled_with[0] = compiled_with
     for module, name, value in settings:
         setattr(module, name, value)
     try:
@@ -235,8 +237,6 @@ def run_settings(run: str):
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
-        if recompiles:
-            torch._dynamo.reset()
 
 
 def run_fields(run: str, args) -> dict:

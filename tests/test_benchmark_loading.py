@@ -464,17 +464,23 @@ def test_a_triton_compile_is_recorded_with_its_specialisation():
 
 
 def test_runs_that_change_the_compilation_compile_afresh(monkeypatch):
-    """Dynamo does not guard on the settings a compilation reads: a run that sets one starts from an empty
-    dynamo cache and leaves one behind (the next run compiles without it); other settings reset nothing."""
+    """Dynamo does not guard on the settings a compilation reads: a run whose compile settings differ from
+    the previous run's starts from an empty dynamo cache; runs that share them (or set none) reset nothing."""
+    import e2e_throughput
     from e2e_throughput import run_settings
 
     resets = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(e2e_throughput, "_compiled_with", [{}])
     with run_settings("induction_diagonal_compiled_mergeblock1"):
         assert resets == []
     with run_settings("induction_diagonal_compiled_tritonlinear1"):
         assert resets == [1]
-    assert resets == [1, 1]
-    with run_settings("ar_compiled_autotune1"):
+    with run_settings("ar_compiled_tritonlinear1"):  # the same compilation
         pass
-    assert len(resets) == 4
+    assert resets == [1]
+    with run_settings("ar_compiled_autotune1_tritonlinear1"):
+        pass
+    with run_settings("ar_compiled"):
+        pass
+    assert len(resets) == 3
