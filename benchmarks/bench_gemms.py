@@ -144,6 +144,30 @@ def main() -> None:
         gbps = "-" if r["gbps"] is None else f"{r['gbps']:.0f}"
         print(f"| {r['tokens']} | {r['projection']} | {r['ms']:.4f} | {tflops} | {gbps} | {r['ideal_ms']:.4f} | "
               f"{r['ms'] / r['ideal_ms']:.2f} | {r['times']} |")
+    if args.triton:
+        print_best_of(rows)
+
+
+def print_best_of(rows: list[dict]) -> None:
+    """Per token count and projection: cuBLAS, the fastest Triton variant, and the forward if each projection
+    ran the faster of the two (what `linear_ops.TunedLinear` picks by timing)."""
+    print("\n| tokens | projection | cuBLAS ms | best Triton ms | best Triton | faster |")
+    print("|---|---|---|---|---|---|")
+    forward: dict[int, list[float]] = {}
+    for r in rows:
+        if ", " in r["projection"] or r["projection"] == "forward":
+            continue
+        triton = [t for t in rows if t["tokens"] == r["tokens"] and t["projection"].startswith(r["projection"] + ", triton ")]
+        best = min(triton, key=lambda t: t["ms"])
+        faster = min(r["ms"], best["ms"])
+        totals = forward.setdefault(r["tokens"], [0.0, 0.0])
+        totals[0] += r["ms"] * r["times"]
+        totals[1] += faster * r["times"]
+        label = best["projection"].removeprefix(r["projection"] + ", triton ")
+        print(f"| {r['tokens']} | {r['projection']} | {r['ms']:.4f} | {best['ms']:.4f} | {label} | "
+              f"{'Triton' if best['ms'] < r['ms'] else 'cuBLAS'} |")
+    for tokens, (cublas, faster) in forward.items():
+        print(f"| {tokens} | forward | {cublas:.4f} | - | the faster of each | {faster:.4f} ({faster / cublas - 1:+.1%}) |")
 
 
 if __name__ == "__main__":
