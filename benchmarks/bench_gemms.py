@@ -9,7 +9,6 @@ per layer, so the table's "forward" row sums them x layers plus the LM head once
 
     python benchmarks/bench_gemms.py --model qwen2.5-1.5b --tokens 64,120,136,256,480,492,510,512,580
     python benchmarks/bench_gemms.py --tokens 56:168:8,240:656:16      # ranges start:stop:step (stop excluded)
-    python benchmarks/bench_gemms.py --tokens 64,136,496 --triton       # + hf_sparsespec's split-K Triton linear
 
 Prints a table last; writes JSON to `--out` (a folder) when given.
 """
@@ -57,25 +56,6 @@ def autotuned_linear():
     return torch.compile(torch.nn.functional.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
 
 
-def triton_configs(tokens: int, fan_in: int, fan_out: int) -> list[tuple[str, object]]:
-    """`(label, LinearConfig)` of hf_sparsespec's Triton linear: its default choice, then the same tiles
-    with K split half and twice as often, and 128-wide feature tiles, at 3 and 5 pipeline stages."""
-    import dataclasses
-
-    from hf_sparsespec.kernels.attention_plan import num_sms
-    from hf_sparsespec.kernels.linear import choose_linear_config
-
-    chosen = choose_linear_config(tokens, fan_out, fan_in, num_sms(torch.device("cuda")))
-    variants = [("default", chosen)]
-    for split in (max(1, chosen.split_k // 2), chosen.split_k * 2):
-        variants.append((f"split {split}", dataclasses.replace(chosen, split_k=split)))
-    variants.append(("128 wide", dataclasses.replace(chosen, block_n=128)))
-    for stages in (3, 5):
-        variants.append((f"{stages} stages", dataclasses.replace(chosen, num_stages=stages)))
-    return [(f"{label} ({c.block_m}x{c.block_n}x{c.block_k}, split {c.split_k}, {c.num_stages} st.)", c)
-            for label, c in variants]  # fmt: skip
-
-
 def token_counts(spec: str) -> list[int]:
     """`64,120` and ranges `start:stop:step` (stop excluded), comma-separated, in order, without repeats."""
     counts: list[int] = []
@@ -95,8 +75,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--autotune", action="store_true",
                         help="also time inductor's autotuned GEMM (max-autotune: Triton templates or cuBLAS) per shape")
-    parser.add_argument("--triton", action="store_true",
-                        help="also time hf_sparsespec's Triton linear (kernels/linear.py): its tile choice and variants")
     args = parser.parse_args()
     tuned = autotuned_linear() if args.autotune else None
     counts = token_counts(args.tokens)
@@ -116,18 +94,6 @@ def main() -> None:
                 rows.append({"tokens": tokens, "projection": f"{projection}, autotuned", "ms": tuned_ms,
                              "tflops": flops / tuned_ms / 1e9, "gbps": moved / tuned_ms / 1e6, "ideal_ms": ideal,
                              "times": times})  # fmt: skip
-            if args.triton:
-                from hf_sparsespec.kernels.linear import linear
-
-                x = torch.randn(tokens, fan_in, dtype=torch.bfloat16, device="cuda")
-                w = torch.randn(fan_out, fan_in, dtype=torch.bfloat16, device="cuda") * 0.02
-                for label, config in triton_configs(tokens, fan_in, fan_out):
-                    torch.testing.assert_close(linear(x, w, None, config), torch.nn.functional.linear(x, w),
-                                               rtol=2e-2, atol=2e-2)  # fmt: skip
-                    t_ms = measure(tokens, fan_in, fan_out, copies, lambda x, w, c=config: linear(x, w, None, c))
-                    rows.append({"tokens": tokens, "projection": f"{projection}, triton {label}", "ms": t_ms,
-                                 "tflops": flops / t_ms / 1e9, "gbps": moved / t_ms / 1e6, "ideal_ms": ideal,
-                                 "times": times})  # fmt: skip
             forward_ms += ms * times
             forward_ideal += ideal * times
         rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,
@@ -144,30 +110,6 @@ def main() -> None:
         gbps = "-" if r["gbps"] is None else f"{r['gbps']:.0f}"
         print(f"| {r['tokens']} | {r['projection']} | {r['ms']:.4f} | {tflops} | {gbps} | {r['ideal_ms']:.4f} | "
               f"{r['ms'] / r['ideal_ms']:.2f} | {r['times']} |")
-    if args.triton:
-        print_best_of(rows)
-
-
-def print_best_of(rows: list[dict]) -> None:
-    """Per token count and projection: cuBLAS, the fastest Triton variant, and the forward if each projection
-    ran the faster of the two (what `linear_ops.TunedLinear` picks by timing)."""
-    print("\n| tokens | projection | cuBLAS ms | best Triton ms | best Triton | faster |")
-    print("|---|---|---|---|---|---|")
-    forward: dict[int, list[float]] = {}
-    for r in rows:
-        if ", " in r["projection"] or r["projection"] == "forward":
-            continue
-        triton = [t for t in rows if t["tokens"] == r["tokens"] and t["projection"].startswith(r["projection"] + ", triton ")]
-        best = min(triton, key=lambda t: t["ms"])
-        faster = min(r["ms"], best["ms"])
-        totals = forward.setdefault(r["tokens"], [0.0, 0.0])
-        totals[0] += r["ms"] * r["times"]
-        totals[1] += faster * r["times"]
-        label = best["projection"].removeprefix(r["projection"] + ", triton ")
-        print(f"| {r['tokens']} | {r['projection']} | {r['ms']:.4f} | {best['ms']:.4f} | {label} | "
-              f"{'Triton' if best['ms'] < r['ms'] else 'cuBLAS'} |")
-    for tokens, (cublas, faster) in forward.items():
-        print(f"| {tokens} | forward | {cublas:.4f} | - | the faster of each | {faster:.4f} ({faster / cublas - 1:+.1%}) |")
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
-from hf_sparsespec.kernels import _attention_tile, attention_plan, pillar_select, tempered_softmax
+from hf_sparsespec.kernels import _attention_tile, attention_plan, pillar_select
 from hf_sparsespec.sampling import LogitsPipeline
 
 
@@ -196,14 +196,12 @@ MODULE_SUFFIXES = (
     ("_scorechunk", pillar_select, "SCORE_PREFERRED_KEYS_PER_CHUNK"),
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
     ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: the sampling probabilities written out, as before
-    ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k / top-p candidates in two stages (`top_values`)
     ("_autotune", model_runner, "AUTOTUNE_GEMMS"),  # 1: the compiled forward's GEMMs autotuned by inductor
     ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
-    ("_tritonlinear", model_runner, "TRITON_LINEARS"),  # 1: the compiled forward's linears by the tuned op
 )
 # Settings read when the forward compiles: dynamo keeps one cache per code object and does not guard on
 # them, so a run whose compile settings differ from the previous run's compiles from scratch.
-COMPILE_SETTINGS = ("AUTOTUNE_GEMMS", "TRITON_LINEARS")
+COMPILE_SETTINGS = ("AUTOTUNE_GEMMS",)
 _compiled_with: list[dict] = [{}]  # the compile settings of dynamo's cache (the last run's)
 
 

@@ -38,7 +38,6 @@ from hf_sparsespec.batch import HostBatch, StepShape, aligned
 from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
-from hf_sparsespec.linear_ops import PreGradPasses, RouteLinears
 from hf_sparsespec.ops import ScoringAside, scoring_stream
 from hf_sparsespec.packed_projections import FuseSiblingLinears, call_packed
 from hf_sparsespec.sampling import Distributions, LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
@@ -61,9 +60,6 @@ SAMPLE_FROM_LOGITS = 1
 # hint; minutes more compilation). 0 leaves them to cuBLAS. Off until measured end to end (`_autotune1`
 # runs); `benchmarks/bench_gemms.py --autotune` compares the two GEMM by GEMM.
 AUTOTUNE_GEMMS = 0
-# 1: a compiled forward's linears run through `hf_sparsespec::linear` (linear_ops.py: per shape the faster of
-# cuBLAS and the split-K Triton linear, timed once). Off until measured end to end (`_tritonlinear1` runs).
-TRITON_LINEARS = 0
 
 
 @dataclass
@@ -632,13 +628,9 @@ class ModelRunner:
 
     def _forward(self, input_ids, position_ids, logits_index, step: StepBatch) -> torch.Tensor:
         forward = self.compiled_forward if step.compiled else self._model_logits
-        compile_options, passes = {}, []  # read when a compilation runs
+        compile_options = {}  # read when a compilation runs
         if step.compiled and self.fuse_projections is not None:
-            passes.append(self.fuse_projections)
-        if step.compiled and TRITON_LINEARS:
-            passes.append(RouteLinears())
-        if passes:
-            compile_options["pre_grad_custom_pass"] = passes[0] if len(passes) == 1 else PreGradPasses(passes)
+            compile_options["pre_grad_custom_pass"] = self.fuse_projections
         if step.compiled and AUTOTUNE_GEMMS:
             compile_options["max_autotune_gemm"] = True
         self.cache.active_step = step

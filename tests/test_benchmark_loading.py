@@ -193,25 +193,15 @@ def test_the_padding_suffix_sets_the_row_buckets_steps_for_its_run_only():
         "induction_diagonal_compiled_refresh2", None)  # fmt: skip
 
 
-def test_the_topk_chunk_suffix_sets_the_candidates_chunk_for_its_run_only():
-    from e2e_throughput import run_settings
-
-    from hf_sparsespec.kernels import tempered_softmax
-
-    with run_settings("induction_diagonal_compiled_fromlogits0_topkchunk1024"):
-        assert tempered_softmax.TOPK_CHUNK == 1024
-    assert tempered_softmax.TOPK_CHUNK == 0
-
-
 def test_the_autotune_and_merge_block_suffixes_set_their_constants_for_their_run_only():
     from e2e_throughput import run_fields, run_settings
 
     from hf_sparsespec import runner
     from hf_sparsespec.kernels import _attention_tile
 
-    with run_settings("induction_diagonal_compiled_topkchunk1024_autotune1_mergeblock1_tritonlinear1"):
-        assert runner.AUTOTUNE_GEMMS == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1 and runner.TRITON_LINEARS == 1
-    assert runner.AUTOTUNE_GEMMS == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8 and runner.TRITON_LINEARS == 0
+    with run_settings("induction_diagonal_compiled_fullsplit512_autotune1_mergeblock1"):
+        assert runner.AUTOTUNE_GEMMS == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1
+    assert runner.AUTOTUNE_GEMMS == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8
     assert run_fields("induction_diagonal_compiled_autotune1", None) == run_fields("induction_diagonal_compiled", None)
 
 
@@ -474,13 +464,11 @@ def test_runs_that_change_the_compilation_compile_afresh(monkeypatch):
     monkeypatch.setattr(e2e_throughput, "_compiled_with", [{}])
     with run_settings("induction_diagonal_compiled_mergeblock1"):
         assert resets == []
-    with run_settings("induction_diagonal_compiled_tritonlinear1"):
+    with run_settings("induction_diagonal_compiled_autotune1"):
         assert resets == [1]
-    with run_settings("ar_compiled_tritonlinear1"):  # the same compilation
+    with run_settings("ar_compiled_autotune1_mergeblock1"):  # the same compilation
         pass
     assert resets == [1]
-    with run_settings("ar_compiled_autotune1_tritonlinear1"):
-        pass
     with run_settings("ar_compiled"):
         pass
-    assert len(resets) == 3
+    assert len(resets) == 2

@@ -24,7 +24,7 @@ rows x 152K) that was 300 MB written, then the one-token rows' 140 MB read by th
 again into the drafts' store (which now keeps the drafts' logits, half the bytes, and stats).
 
 `truncation_stats` (`LogitsPipeline.fused_truncation`: temperature -> top-k -> top-p, the models' own
-sampling configs) takes the same pass around one top-k (`top_values`): the candidates give the row's maximum
+sampling configs) takes the same pass around one `torch.topk`: the candidates give the row's maximum
 and the k-th logit, `_truncated_partials_kernel` sums top-k's softmax over every token at or above the
 k-th (ties beyond the k included), and top-p's cut is found among the candidates; a row's stats get a
 third column, the smallest kept logit, below which every reader reads 0. `truncated_softmax` writes
@@ -51,10 +51,6 @@ from hf_sparsespec.kernels.keyed_sample import (
 )
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
-# Values per chunk of `top_values`' first stage (0: one `torch.topk` over the whole row). `torch.topk`
-# over a 151,936-entry row selects by radix, one pass over the rows per 8-bit digit: four over float32
-# scores, 1.06 ms for 484 rows on the H100 (docs/measurements.md 36).
-TOPK_CHUNK = 0
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -302,21 +298,6 @@ def _truncated_partials_kernel(
     tl.store(sum_ptr + row * tl.num_programs(1) + split, tl.sum(total, axis=0))
 
 
-def top_values(scores: torch.Tensor, k: int, chunk: int | None = None) -> torch.Tensor:
-    """`torch.topk(scores, k, dim=-1).values` (`[rows, k]`, descending) in two stages when the rows are
-    long: the k largest of every `chunk` values (one `torch.topk` over many short rows, the chunks as
-    views), then the k largest of those candidates and of the remainder. The same values: a row's k
-    largest are among its chunks' k largest. `chunk` (default `TOPK_CHUNK`) 0, below 2k, or more
-    than half the row: one `torch.topk`."""
-    chunk = TOPK_CHUNK if chunk is None else chunk
-    rows, vocab = scores.shape
-    if chunk < 2 * k or 2 * chunk > vocab or scores.stride(1) != 1:
-        return torch.topk(scores, k, dim=-1).values
-    body = vocab // chunk * chunk
-    candidates = torch.topk(scores[:, :body].unflatten(1, (-1, chunk)), k, dim=-1).values.flatten(1)
-    return torch.topk(torch.cat([candidates, scores[:, body:]], dim=1), k, dim=-1).values
-
-
 def truncation_stats(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
 ) -> torch.Tensor:
@@ -349,7 +330,7 @@ def truncation_stats(
         return torch.zeros(num_rows, 3, dtype=torch.float32, device=logits.device)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     temperature = float(temperature)
-    head_logits = top_values(logits, min(top_k, vocab)).float()  # [rows, k], descending
+    head_logits = torch.topk(logits, min(top_k, vocab), dim=-1).values.float()  # [rows, k], descending
     head = head_logits / temperature if temperature != 1.0 else head_logits
     best, kth = head[:, 0].contiguous(), head_logits[:, -1].contiguous()
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)

@@ -155,33 +155,3 @@ def test_truncated_candidates_beyond_the_finite_logits_and_strided_rows(device, 
     for bad in (dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             truncated_softmax(view, **(dict(temperature=0.7, top_k=40) | bad))
-
-
-@pytest.mark.parametrize("chunk", [0, 64, 100, 1024])
-@pytest.mark.parametrize("k", [1, 20, 50])
-def test_top_values_in_two_stages_equal_topk(device, chunk, k):
-    """The truncation's candidates from chunks: the values of one `torch.topk` over the row, ties
-    included (integer scores), over row lengths that the chunk divides and leaves a remainder of, rows of
-    a larger buffer, and chunks too short for k (one `torch.topk`)."""
-    from hf_sparsespec.kernels.tempered_softmax import top_values
-
-    generator = torch.Generator().manual_seed(k + chunk)
-    for vocab in (97, 3000, 4096, 13001):
-        for scores in (torch.randn(7, vocab, generator=generator), torch.randint(-4, 4, (7, vocab), generator=generator)):
-            buffer = scores.float().to(device)
-            for dtype in _dtypes(device):
-                x = buffer.to(dtype)
-                expected = torch.topk(x, min(k, vocab), dim=-1).values
-                assert torch.equal(top_values(x, min(k, vocab), chunk), expected)
-                assert torch.equal(top_values(x[::2], min(k, vocab), chunk), expected[::2])
-
-
-def test_truncation_stats_with_chunked_candidates_are_the_same(device, monkeypatch):
-    """`TOPK_CHUNK` changes how the candidates are found, not the stats (bit for bit)."""
-    from hf_sparsespec.kernels.tempered_softmax import truncation_stats
-
-    logits = (torch.randn(9, 13001, generator=torch.Generator().manual_seed(4)) * 4).to(device)
-    logits[:, 5::11] = float("-inf")
-    expected = truncation_stats(logits, 0.7, 40, 0.9, 1)
-    monkeypatch.setattr(module, "TOPK_CHUNK", 256)
-    assert torch.equal(truncation_stats(logits, 0.7, 40, 0.9, 1), expected)
