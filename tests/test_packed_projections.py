@@ -149,8 +149,8 @@ def test_the_default_packs_whenever_the_forward_is_compiled(compile_forward, pac
 
 @pytest.mark.parametrize("autotune", [0, 1])
 def test_the_compiled_forward_autotunes_its_gemms_only_when_asked(autotune, monkeypatch):
-    """`runner.AUTOTUNE_GEMMS` reaches inductor's config around the compiled forward (read when it
-    compiles), beside the sibling-projection pass; eager iterations see neither."""
+    """`runner.AUTOTUNE_GEMMS` reaches inductor's config around every compiled call (read when it
+    compiles), beside the sibling-projection pass, and inductor's config is as it was after the run."""
     from hf_sparsespec import runner as model_runner
 
     monkeypatch.setattr(model_runner, "AUTOTUNE_GEMMS", autotune)
