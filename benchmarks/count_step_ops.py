@@ -60,8 +60,8 @@ class OpCounter(TorchDispatchMode):
                     site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}" if ours else "?"
                     self.sites[site] += 1
                     scattered = any(part in name for part in ("scatter_", "index_copy_", "index_put_"))  # its indices
-                    wide = isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[-1] in (self.vocab, self.vocab + 1)
-                    if wide and not scattered:  # a pass over [rows, vocabulary] (or with a spare column)
+                    wide = isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[-1] == self.vocab
+                    if wide and not scattered:  # a pass over [rows, vocabulary]
                         self.vocabulary_wide[name] += 1
         return out
 
