@@ -28,6 +28,7 @@ Prints a table last; JSON to `$OUT/bench_attention_splits.json` (or --out).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -105,44 +106,44 @@ def mixed_config(spec: str) -> dict[str, int] | None:
 
 def time_splits(
     p: Problem, kind: str, floors: list[tuple[int, int]], per_sm: list[int], num_moved: int, verify_tokens: int = 9,
-    configs: tuple[str, ...] = ("engine",),
+    configs: tuple[str, ...] = ("engine",), max_blocks: tuple[int, ...] = (attention_plan.MAX_BLOCK_M,),
 ) -> list[dict]:  # fmt: skip
     args, kwargs, host, n_full, bytes_to_move = launch(p, kind, num_moved, verify_tokens)
     device = torch.device(bench_kernels.DEV)
     saved = (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT,
-             attention_plan.MIN_KEYS_PER_VERIFY_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT)  # fmt: skip
+             attention_plan.MIN_KEYS_PER_VERIFY_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MAX_BLOCK_M)  # fmt: skip
     saved_configs = dict(_attention_tile.LAUNCH_CONFIG)
     key = ("mixed", p.head_dim)
     reference = None
     rows = []
     try:
-        for programs in per_sm:
-            for full_floor, draft_floor in floors:
-                attention_plan.PROGRAMS_PER_SM = programs
-                attention_plan.MIN_KEYS_PER_FULL_SPLIT = attention_plan.MIN_KEYS_PER_VERIFY_SPLIT = full_floor
-                attention_plan.MIN_KEYS_PER_SPLIT = draft_floor
-                plan = attention_plan.plan_attention(*host, group=p.group, num_kv_heads=p.num_kv_heads, device=device,
-                                                     num_moved=num_moved)  # fmt: skip
-                for spec in configs:
-                    config = mixed_config(spec)
-                    _attention_tile.LAUNCH_CONFIG.pop(key, None)
-                    _attention_tile.LAUNCH_CONFIG.update({key: config} if config else saved_configs)
-                    out, _ = mixed_attention(*args, plan=plan, **kwargs)
-                    if reference is None:
-                        reference = out.float()
-                    err = (out.float() - reference).abs().max().item()
-                    ms = bench(lambda plan=plan: mixed_attention(*args, plan=plan, **kwargs), 5, 40)
-                    rows.append({
-                        "kind": kind, "batch": p.batch, "context": p.context, "full_rows": n_full,
-                        "draft_keys": p.budget, "moved": num_moved, "verify_tokens": verify_tokens if kind != "ar" else 1,
-                        "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
-                        "min_keys_per_split": draft_floor, "mixed_config": spec, "work_items": plan.num_work, "ms": ms,
-                        "roofline": bytes_to_move / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
-                    })  # fmt: skip
-                    print(json.dumps(rows[-1]), flush=True)
+        for programs, max_block, (full_floor, draft_floor) in itertools.product(per_sm, max_blocks, floors):
+            attention_plan.PROGRAMS_PER_SM, attention_plan.MAX_BLOCK_M = programs, max_block
+            attention_plan.MIN_KEYS_PER_FULL_SPLIT = attention_plan.MIN_KEYS_PER_VERIFY_SPLIT = full_floor
+            attention_plan.MIN_KEYS_PER_SPLIT = draft_floor
+            plan = attention_plan.plan_attention(*host, group=p.group, num_kv_heads=p.num_kv_heads, device=device,
+                                                 num_moved=num_moved)  # fmt: skip
+            for spec in configs:
+                config = mixed_config(spec)
+                _attention_tile.LAUNCH_CONFIG.pop(key, None)
+                _attention_tile.LAUNCH_CONFIG.update({key: config} if config else saved_configs)
+                out, _ = mixed_attention(*args, plan=plan, **kwargs)
+                if reference is None:
+                    reference = out.float()
+                err = (out.float() - reference).abs().max().item()
+                ms = bench(lambda plan=plan: mixed_attention(*args, plan=plan, **kwargs), 5, 40)
+                rows.append({
+                    "kind": kind, "batch": p.batch, "context": p.context, "full_rows": n_full,
+                    "draft_keys": p.budget, "moved": num_moved, "verify_tokens": verify_tokens if kind != "ar" else 1,
+                    "programs_per_sm": programs, "min_keys_per_full_split": full_floor,
+                    "min_keys_per_split": draft_floor, "mixed_config": spec, "max_block_m": max_block,
+                    "block_m_full": plan.block_m_full, "work_items": plan.num_work, "ms": ms,
+                    "roofline": bytes_to_move / HBM_BYTES_PER_S / (ms / 1e3), "max_err_vs_first": err,
+                })  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         (attention_plan.PROGRAMS_PER_SM, attention_plan.MIN_KEYS_PER_FULL_SPLIT,
-         attention_plan.MIN_KEYS_PER_VERIFY_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT) = saved  # fmt: skip
+         attention_plan.MIN_KEYS_PER_VERIFY_SPLIT, attention_plan.MIN_KEYS_PER_SPLIT, attention_plan.MAX_BLOCK_M) = saved  # fmt: skip
         _attention_tile.LAUNCH_CONFIG.clear()
         _attention_tile.LAUNCH_CONFIG.update(saved_configs)
     return rows
@@ -163,16 +164,19 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="4")
     parser.add_argument("--mixed-configs", default="engine",
                         help="BLOCK_N_FULL:BLOCK_N_DRAFT:num_warps:num_stages launch configs (engine = the engine's)")  # fmt: skip
+    parser.add_argument("--max-block-m", default=str(attention_plan.MAX_BLOCK_M),
+                        help="largest query tiles of full rows, one run each (64: k = 16's verifications in two tiles)")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes under TRITON_INTERPRET=1 on the CPU")
     a = parser.parse_args()
     if a.smoke:
         bench_kernels.DEV, bench_kernels.DT = "cpu", torch.float16
         a.batches, a.contexts, a.floors, a.min_budget, a.moved = "10", "200", "128:64,64:64,128:32", 20, "0,6"
-        a.verify_tokens, a.mixed_configs = "9,17", "engine,64:64:4:2"
+        a.verify_tokens, a.mixed_configs, a.max_block_m = "9,17", "engine,64:64:4:2", "128,64"
     floors = [tuple(int(n) for n in f.split(":")) for f in a.floors.split(",")]
     per_sm = [int(n) for n in a.programs_per_sm.split(",")]
     configs = tuple(a.mixed_configs.split(","))
+    max_blocks = tuple(int(n) for n in a.max_block_m.split(","))
     for spec in configs:
         mixed_config(spec)  # bad specs fail before any timing
     rows = []
@@ -183,7 +187,7 @@ def main() -> None:
             for kind in a.kinds.split(","):
                 for verify_tokens in map(int, a.verify_tokens.split(",") if kind != "ar" else [1]):
                     for num_moved in map(int, a.moved.split(",") if kind in ("mixed", "draft") else [0]):
-                        rows += time_splits(p, kind, floors, per_sm, num_moved, verify_tokens, configs)
+                        rows += time_splits(p, kind, floors, per_sm, num_moved, verify_tokens, configs, max_blocks)
             del p
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -192,11 +196,11 @@ def main() -> None:
     with open(os.path.join(a.out, "bench_attention_splits.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print("\nkind | batch | context | full rows (tokens each) | draft keys | moved | programs/SM | least keys per full / draft "
-          "split | mixed config | items | ms | roofline | err")  # fmt: skip
+          "split | mixed config | full tile | items | ms | roofline | err")  # fmt: skip
     for r in rows:
         print(f"{r['kind']} | {r['batch']} | {r['context']} | {r['full_rows']} ({r['verify_tokens']}) | {r['draft_keys']} | "
               f"{r['moved']} | {r['programs_per_sm']} | "
-              f"{r['min_keys_per_full_split']} / {r['min_keys_per_split']} | {r['mixed_config']} | {r['work_items']} | "
+              f"{r['min_keys_per_full_split']} / {r['min_keys_per_split']} | {r['mixed_config']} | {r['block_m_full']} | {r['work_items']} | "
               f"{r['ms']:.4f} | "
               f"{r['roofline']:.1%} | {r['max_err_vs_first']:.2e}")  # fmt: skip
 

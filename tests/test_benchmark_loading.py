@@ -205,6 +205,17 @@ def test_the_autotune_and_merge_block_suffixes_set_their_constants_for_their_run
     assert run_fields("induction_diagonal_compiled_autotune1", None) == run_fields("induction_diagonal_compiled", None)
 
 
+def test_the_max_tile_suffix_sets_the_full_rows_tile_for_its_run_only():
+    from e2e_throughput import run_fields, run_settings
+
+    from hf_sparsespec.kernels import attention_plan
+
+    with run_settings("induction_diagonal_compiled_k16_maxtile64"):
+        assert attention_plan.MAX_BLOCK_M == 64 and attention_plan.block_sizes(17, 6)[0] == 64
+    assert attention_plan.MAX_BLOCK_M == 128 and attention_plan.block_sizes(17, 6)[0] == 128
+    assert run_fields("induction_diagonal_compiled_k16_maxtile64", None)["num_draft_tokens"] == 16
+
+
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     from e2e_throughput import run_settings
 

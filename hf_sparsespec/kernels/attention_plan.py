@@ -56,7 +56,9 @@ WIDE_KEYS_PER_VERIFY_SPLIT = 0
 WIDE_VERIFY_MIN_SHARE = 0.75
 # Programs the decomposition aims for, per multiprocessor (several waves hide the tail).
 PROGRAMS_PER_SM = 4
-# The largest packed query tile (queries x GQA group) of full rows.
+# The largest packed query tile (queries x GQA group) of full rows. Longer rows take several tiles,
+# whose pieces of one key range run side by side (`plan_work_lists`); `_maxtile64` runs of the
+# benchmarks give k = 16's 17-query verifications (102 rows with a group of 6) two 64-row tiles.
 MAX_BLOCK_M = 128
 WORK_FIELDS = 5
 MERGE_FIELDS = 5
@@ -224,6 +226,9 @@ def plan_work_lists(
         ],
         axis=1,
     )
+    # A row's query tiles read the same keys: the pieces of one key range go side by side (row, then
+    # key range, then tile), so the second tile's loads find the first's in L2.
+    pieces = pieces[np.lexsort((pieces[:, 1], pieces[:, 2], pieces[:, 0]))]
     work = np.concatenate([whole, pieces])
     # Longest items first, so the short ones fill the tail of the grid.
     work = work[np.argsort(work[:, 2] - work[:, 3], kind="stable")]

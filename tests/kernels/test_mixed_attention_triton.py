@@ -20,6 +20,7 @@ from kernel_cases import (  # noqa: F401
     sparse_attention_lowp,
 )
 
+from hf_sparsespec.kernels import attention_plan
 from hf_sparsespec.kernels.attention_plan import (
     AttentionPlan,
     block_sizes,
@@ -117,6 +118,38 @@ def test_verifications_of_k16_fill_a_128_row_tile(device, dtype):
     assert block_sizes(17, group)[0] == 128
     args, host = _mixed_batch(device, dtype, 16, group, 64, full_rows=full_rows)
     assert _check_whole_and_split(args, host, dtype, group, device).block_m_full == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_verifications_of_k16_in_two_64_row_tiles(device, dtype, monkeypatch):
+    """With `MAX_BLOCK_M = 64` (the benchmarks' `_maxtile64`) a 17-query verification takes two tiles of
+    10 and 7 queries (60 and 42 rows for a group of 6), beside drafts; whole and split."""
+    monkeypatch.setattr(attention_plan, "MAX_BLOCK_M", 64)
+    full_rows, group = [(120, 17), (60, 17)], 6
+    assert block_sizes(17, group)[0] == 64
+    args, host = _mixed_batch(device, dtype, 16, group, 64, full_rows=full_rows)
+    plan = _check_whole_and_split(args, host, dtype, group, device)
+    assert plan.block_m_full == 64
+    q_begins = {int(q) for row, q in plan.work[:, :2].tolist() if row in (0, 1)}
+    assert q_begins == {0, 10}
+
+
+def test_a_rows_query_tiles_read_each_key_range_side_by_side():
+    """The pieces of a row's query tiles that cover one key range are neighbours in the work list
+    (longest first still), so the second tile's keys come from L2; a row of one tile keeps its order."""
+    context_lens, q_lens = [800, 700, 50], [17, 17, 1]
+    work, _, _ = plan_work_lists(
+        query_offsets(q_lens), context_lens, 2, [0, 0, 10], [0, 0, 40], group=6, block_m_full=64, items=12,
+        min_keys_per_split=64,
+    )  # fmt: skip
+    full = work[work[:, 1] >= 0]
+    assert set(full[:, 1].tolist()) == {0, 10}
+    sizes = full[:, 3] - full[:, 2]
+    assert np.all(np.diff(-(work[:, 3] - work[:, 2])) >= 0)  # longest first
+    for i in range(0, len(full) - 1):
+        row, q_begin, key_begin = full[i, :3]
+        if q_begin == 0 and sizes[i] == sizes[i + 1]:  # its tile-10 partner of the same size follows it
+            assert full[i + 1].tolist()[:3] == [row, 10, key_begin]
 
 
 def test_plain_steps_beside_drafts_in_the_verifications_tile(device):
