@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_sparsespec.kernels import attention_plan
 from hf_sparsespec.kernels._attention_tile import LOG2E, dot_precision, launch_config
 from hf_sparsespec.kernels._checks import (
     INDEX,
@@ -426,9 +427,10 @@ def _launch_scores(query, k_cache, page_table, query_start, lse, num_old_keys, s
     num_layers, num_tokens, _, head_dim = query.shape
     num_rows, num_kv_heads = page_table.shape[0], k_cache.shape[3]
     # The tile holds a whole verification block when the rows are even (k+1 queries each); from the
-    # shapes alone, so no sync. Larger blocks loop over query tiles.
+    # shapes alone, so no sync. Larger blocks loop over query tiles (up to the attention's largest tile,
+    # `attention_plan.MAX_BLOCK_M`, read at the call as the attention plans read it).
     tile_q = max_queries if max_queries is not None else max(1, -(-num_tokens // num_rows))
-    block_m = max(16, next_power_of_2(group), min(128, next_power_of_2(tile_q * group)))
+    block_m = max(16, next_power_of_2(group), min(attention_plan.MAX_BLOCK_M, next_power_of_2(tile_q * group)))
     config = launch_config("score", head_dim, query.dtype)
     min_keys = triton.cdiv(SCORE_MIN_KEYS_PER_CHUNK, config["BLOCK_N"]) * config["BLOCK_N"]
     # up to SCORE_PROGRAMS_PER_SM per SM over the KV heads and layers (the grid from the shapes only);

@@ -8,6 +8,7 @@ import torch
 from conftest import assert_close_to_reference
 from kernel_cases import i32, make_paged_kv, poison_outputs, query_offsets  # noqa: F401
 
+from hf_sparsespec.kernels import attention_plan
 from hf_sparsespec.kernels.paged_attention import paged_attention_ref
 from hf_sparsespec.kernels.pillar_select import pillar_scores, pillar_scores_ref, pillar_select, pillar_select_ref
 
@@ -60,6 +61,14 @@ def test_pillar_scores_match_reference(device, dtype, case, page_size, group, he
     assert_close_to_reference(
         (actual.masked_fill(~finite, 0) / scale_ref), (expected.masked_fill(~finite, 0) / scale_ref), dtype
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pillar_scores_of_k16_in_64_row_tiles_match_reference(device, dtype, monkeypatch):
+    """With `attention_plan.MAX_BLOCK_M = 64` (`_maxtile64` runs) the scoring kernel takes k = 16's
+    17-query verifications (102 rows with a group of 6) in two query tiles of a 64-row tile."""
+    monkeypatch.setattr(attention_plan, "MAX_BLOCK_M", 64)
+    test_pillar_scores_match_reference(device, dtype, "verify_k16", 16, 6, 64)
 
 
 @pytest.mark.parametrize("page_size, group", [(1, 3), (16, 6)])
