@@ -34,6 +34,27 @@ def test_greedy_sparsespec_on_triton_backend_matches_generate(device, selection)
         assert total.accepted_drafts == total.drafted_tokens > 0
 
 
+def test_greedy_k16_with_verifications_in_several_query_tiles_matches_generate(device, monkeypatch):
+    """k = 16 with the full rows' tile capped (`attention_plan.MAX_BLOCK_M`, the benchmarks' `_maxtile<n>`):
+    each 17-query verification takes three query tiles (8 + 8 + 1 queries x a group of 2) in the
+    attention and in the scoring pass, and the decode still equals plain `generate`."""
+    from hf_sparsespec.kernels import attention_plan
+
+    monkeypatch.setattr(attention_plan, "MAX_BLOCK_M", 16)
+    assert attention_plan.block_sizes(17, 2)[0] == 16
+    model = tiny_model("qwen2").float().to(device)
+    ids, mask = (x.to(device) for x in ragged_batch([9, 20]))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    config = SparseSpecConfig(num_draft_tokens=16, min_budget=4, budget_ratio=0.05, page_size=4, backend="triton")
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+            generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    assert out.sparsespec_stats.total.cycles > 0
+
+
 # (sampling settings, the fused path's backend method, the pipeline property that enables it, stats columns)
 LOGITS_SAMPLING = {
     "temperature": (dict(top_k=0, top_p=1.0), "softmax_stats", "fused_temperature", 2),
