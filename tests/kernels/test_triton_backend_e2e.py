@@ -13,22 +13,28 @@ import hf_sparsespec  # noqa: F401  (registers the strategy)
 from hf_sparsespec import SparseSpecConfig
 
 
+def greedy_on_triton_equals_generate(device, prompt_lengths, max_new_tokens, config):
+    """SparseSpec's greedy output on the tiny qwen2 model (float32) for a ragged batch, checked token for
+    token against plain `generate`."""
+    model = tiny_model("qwen2").float().to(device)
+    ids, mask = (x.to(device) for x in ragged_batch(prompt_lengths))
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+            generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert_greedy_equal(model, expected, out.sequences, mask)
+    return out
+
+
 @pytest.mark.parametrize("selection", ["pillar", "diagonal", "dense"])
 def test_greedy_sparsespec_on_triton_backend_matches_generate(device, selection):
     """Dense drafts are the target's own tokens: every draft is accepted, also the speculative first
     draft of each cycle, whose position the device shifts by the accepted count (plan room, clamp)."""
-    model = tiny_model("qwen2").float().to(device)
-    ids, mask = (x.to(device) for x in ragged_batch([9, 14]))
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
     config = SparseSpecConfig(num_draft_tokens=4, min_budget=4, budget_ratio=0.05, page_size=4, backend="triton",
                               selection=selection)  # fmt: skip
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
-            generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True,
-        )  # fmt: skip
-    assert_greedy_equal(model, expected, out.sequences, mask)
-    total = out.sparsespec_stats.total
+    total = greedy_on_triton_equals_generate(device, [9, 14], 14, config).sparsespec_stats.total
     assert total.cycles > 0
     if selection == "dense":
         assert total.accepted_drafts == total.drafted_tokens > 0
@@ -42,17 +48,8 @@ def test_greedy_k16_with_verifications_in_several_query_tiles_matches_generate(d
 
     monkeypatch.setattr(attention_plan, "MAX_BLOCK_M", 16)
     assert attention_plan.block_sizes(17, 2)[0] == 16
-    model = tiny_model("qwen2").float().to(device)
-    ids, mask = (x.to(device) for x in ragged_batch([9, 20]))
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     config = SparseSpecConfig(num_draft_tokens=16, min_budget=4, budget_ratio=0.05, page_size=4, backend="triton")
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-            generation_strategy="sparsespec", sparsespec_config=config, return_dict_in_generate=True,
-        )  # fmt: skip
-    assert_greedy_equal(model, expected, out.sequences, mask)
-    assert out.sparsespec_stats.total.cycles > 0
+    assert greedy_on_triton_equals_generate(device, [9, 20], 30, config).sparsespec_stats.total.cycles > 0
 
 
 # (sampling settings, the fused path's backend method, the pipeline property that enables it, stats columns)
