@@ -136,7 +136,7 @@ def test_verifications_of_k16_in_two_64_row_tiles(device, dtype, monkeypatch):
 
 def test_a_rows_query_tiles_read_each_key_range_side_by_side():
     """The pieces of a row's query tiles that cover one key range are neighbours in the work list
-    (longest first still), so the second tile's keys come from L2; a row of one tile keeps its order."""
+    (longest first still), so the second tile's keys come from L2."""
     context_lens, q_lens = [800, 700, 50], [17, 17, 1]
     work, _, _ = plan_work_lists(
         query_offsets(q_lens), context_lens, 2, [0, 0, 10], [0, 0, 40], group=6, block_m_full=64, items=12,
@@ -146,10 +146,13 @@ def test_a_rows_query_tiles_read_each_key_range_side_by_side():
     assert set(full[:, 1].tolist()) == {0, 10}
     sizes = full[:, 3] - full[:, 2]
     assert np.all(np.diff(-(work[:, 3] - work[:, 2])) >= 0)  # longest first
+    pairs = 0
     for i in range(0, len(full) - 1):
         row, q_begin, key_begin = full[i, :3]
         if q_begin == 0 and sizes[i] == sizes[i + 1]:  # its tile-10 partner of the same size follows it
             assert full[i + 1].tolist()[:3] == [row, 10, key_begin]
+            pairs += 1
+    assert pairs >= 4  # both rows split into several equal pieces (5 pairs here)
 
 
 def test_plain_steps_beside_drafts_in_the_verifications_tile(device):
