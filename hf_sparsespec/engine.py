@@ -28,7 +28,8 @@ from hf_sparsespec.attention import ATTENTION_NAME, use_attention
 from hf_sparsespec.batch import BatchBuilder, DevicePageTable, StepShape
 from hf_sparsespec.cache.paged_cache import SparseSpecCache
 from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS, SparseSpecConfig
-from hf_sparsespec.kernels.attention_plan import MAX_BLOCK_M, PlanCapacity, target_items
+from hf_sparsespec.kernels import attention_plan
+from hf_sparsespec.kernels.attention_plan import PlanCapacity, target_items
 from hf_sparsespec.kernels.backend import get_backend
 from hf_sparsespec.kv_manager import KVManager
 from hf_sparsespec.packed_projections import packed_projections
@@ -203,7 +204,7 @@ class Engine:
         tokens = self.config.prefill_chunk_size + slots * (spec + 1)
         rows = 3 * slots
         plan = PlanCapacity(num_work=tokens + rows + 2 * items, num_merge=tokens,
-                            num_part_rows=(MAX_BLOCK_M // group) * 2 * items) if items else None  # fmt: skip
+                            num_part_rows=(attention_plan.MAX_BLOCK_M // group) * 2 * items) if items else None  # fmt: skip
         shape = StepShape(
             num_tokens=tokens, num_rows=rows, num_prefill_rows=0, num_verify_rows=slots, num_single_rows=slots,
             num_prefill_samples=slots, spec_len=spec, num_params=num_params, block_m_full=0, plan=plan, padded=False,
