@@ -216,6 +216,17 @@ def test_the_max_tile_suffix_sets_the_full_rows_tile_for_its_run_only():
     assert run_fields("induction_diagonal_compiled_k16_maxtile64", None)["num_draft_tokens"] == 16
 
 
+def test_the_topk_chunk_suffix_sets_the_chunks_for_its_run_only():
+    from e2e_throughput import run_fields, run_settings
+
+    from hf_sparsespec.kernels import tempered_softmax
+
+    with run_settings("induction_diagonal_compiled_topkchunk128"):
+        assert tempered_softmax.TOPK_CHUNK == 128
+    assert tempered_softmax.TOPK_CHUNK == 0
+    assert run_fields("induction_diagonal_compiled_topkchunk128", None) == run_fields("induction_diagonal_compiled", None)
+
+
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     from e2e_throughput import run_settings
 

@@ -51,6 +51,10 @@ from hf_sparsespec.kernels.keyed_sample import (
 )
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
+# Values per chunk whose maximum ranks it in `largest_values` (0: one `torch.topk` over the whole row).
+# `torch.topk` over a 151,936-entry row selects by radix, one pass over the rows per 8-bit digit: 0.66 ms
+# for 484 bf16 rows on the H100, 1.04 ms over float32 (docs/measurements.md 37). Off until measured.
+TOPK_CHUNK = 0
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -298,6 +302,29 @@ def _truncated_partials_kernel(
     tl.store(sum_ptr + row * tl.num_programs(1) + split, tl.sum(total, axis=0))
 
 
+def largest_values(scores: torch.Tensor, k: int, chunk: int | None = None) -> torch.Tensor:
+    """`torch.topk(scores, k, dim=-1).values` of `scores [rows, n]` (`[rows, k]`, descending), ranking
+    the rows' chunks of `chunk` values (default `TOPK_CHUNK`) by their maxima first: one read of the
+    rows (`amax` per chunk), a `torch.topk` over the `n / chunk` maxima, and one over the k best chunks
+    and the remainder (the values past the last whole chunk), `k x chunk` values or so a row.
+
+    The same values, ties included: every value of a chunk outside the k best is at most that chunk's
+    maximum, so at most each of the k best chunks' maxima, which are k values of the candidates; it
+    cannot displace any of their k largest. One `torch.topk` over the whole row when `chunk` is 0 or
+    the candidates would be more than half of it. No host syncs (CUDA-graph safe)."""
+    chunk = TOPK_CHUNK if chunk is None else chunk
+    rows, n = scores.shape
+    whole = n // chunk if chunk else 0
+    if whole <= k or 2 * k * chunk > n:
+        return torch.topk(scores, k, dim=-1).values
+    body = scores[:, : whole * chunk].unflatten(1, (whole, chunk))  # a view, whatever the row stride
+    best_chunks = torch.topk(body.amax(dim=-1), k, dim=-1).indices  # [rows, k]
+    candidates = torch.gather(body, 1, best_chunks[:, :, None].expand(rows, k, chunk)).flatten(1)
+    if whole * chunk < n:
+        candidates = torch.cat([candidates, scores[:, whole * chunk :]], dim=1)
+    return torch.topk(candidates, k, dim=-1).values
+
+
 def truncation_stats(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0, min_tokens_to_keep: int = 1
 ) -> torch.Tensor:
@@ -306,8 +333,8 @@ def truncation_stats(
     -> top-p. With them a kernel reads any probability of the row straight from the logits
     (`keyed_sample.stats_probability`), bit for bit what `truncated_softmax` writes.
 
-    `torch.topk` over the raw logits finds each row's k best (the temperature does not reorder them);
-    one pass sums top-k's softmax over every token at or above the k-th (ties beyond the k included);
+    `largest_values` (one `torch.topk`, or the chunks' maxima first) finds each row's k best raw logits
+    (the temperature does not reorder them); one pass sums top-k's softmax over every token at or above the k-th (ties beyond the k included);
     top-p's cut is found among the k candidates, as the reference does. Tokens are kept by comparing
     raw logits, so a float32 logit below the k-th that the division by T would round onto it stays out
     (the reference agrees; transformers keeps it); bf16 and fp16 logits never round together. No host
@@ -330,7 +357,7 @@ def truncation_stats(
         return torch.zeros(num_rows, 3, dtype=torch.float32, device=logits.device)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     temperature = float(temperature)
-    head_logits = torch.topk(logits, min(top_k, vocab), dim=-1).values.float()  # [rows, k], descending
+    head_logits = largest_values(logits, min(top_k, vocab)).float()  # [rows, k], descending
     head = head_logits / temperature if temperature != 1.0 else head_logits
     best, kth = head[:, 0].contiguous(), head_logits[:, -1].contiguous()
     block, split_size, num_splits = vocabulary_splits(num_rows, vocab, SOFTMAX_PROGRAMS_PER_SM, logits.device)

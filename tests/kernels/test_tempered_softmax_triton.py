@@ -6,7 +6,8 @@ test of when the engine may use it, and the fused path against the processors th
 truncated_softmax (Triton: temperature -> top-k -> top-p -> softmax) against `truncated_softmax_ref`
 (itself tested against transformers' processors in tests/test_truncated_sampling.py): the same kept
 tokens and probabilities over the same shapes, with ties at the k-th logit beyond the k, a tie group
-on the top-p boundary, masked tokens, more candidates than finite logits, and min_tokens_to_keep."""
+on the top-p boundary, masked tokens, more candidates than finite logits, and min_tokens_to_keep; and
+with the candidates found through the chunks' maxima (`largest_values`, itself against `torch.topk`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers.generation import logits_process as lp
 
 from hf_sparsespec.kernels import tempered_softmax as module
 from hf_sparsespec.kernels.tempered_softmax import (
+    largest_values,
     tempered_softmax,
     tempered_softmax_ref,
     truncated_softmax,
@@ -155,3 +157,60 @@ def test_truncated_candidates_beyond_the_finite_logits_and_strided_rows(device, 
     for bad in (dict(temperature=0.0), dict(top_k=0), dict(top_p=1.5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             truncated_softmax(view, **(dict(temperature=0.7, top_k=40) | bad))
+
+
+def _counting_topk(monkeypatch) -> list[int]:
+    """Patch `torch.topk` to record the row length of every call (the list it returns)."""
+    widths, topk = [], torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k, dim=-1: widths.append(x.shape[-1]) or topk(x, k, dim=dim))
+    return widths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, chunk", [(97, 8), (1000, 8), (4100, 64), (13000, 128), (4096, 16)])
+@pytest.mark.parametrize("k", [1, 3, 20, 50])
+def test_largest_values_equals_topk(monkeypatch, dtype, n, chunk, k):
+    """The k largest values of rows ranked by their chunks' maxima equal one `torch.topk`'s, bit for bit:
+    distinct values; integer values with many ties (the k-th tied inside and across chunks); masked
+    tokens (-inf) including whole chunks and a row with fewer finite values than k; rows of a wider
+    buffer (strided); a remainder past the last whole chunk or none; no rows. The chunked path runs
+    (a `torch.topk` over fewer values than the row) wherever the candidates are at most half of it."""
+    generator = torch.Generator().manual_seed(n * k + chunk)
+    distinct = torch.randn(5, n, generator=generator) * 4
+    tied = torch.randint(-3, 4, (5, n), generator=generator).float()
+    masked = distinct.clone()
+    masked[:, 1::3] = float("-inf")
+    masked[1, : n // 2] = float("-inf")  # whole chunks masked
+    masked[2, 2:] = float("-inf")  # 2 finite values (fewer than k for k > 2)
+    wide = torch.randn(10, n + 7, generator=generator)[::2, 3 : n + 3]  # strided rows
+    chunked = k < n // chunk and 2 * k * chunk <= n
+    for scores in (distinct, tied, masked, wide, distinct[:0]):
+        scores = scores.to(dtype)
+        expected = torch.topk(scores, k, dim=-1).values
+        widths = _counting_topk(monkeypatch)
+        got = largest_values(scores, k, chunk)
+        monkeypatch.undo()
+        assert got.dtype == dtype and torch.equal(got, expected)
+        assert (max(widths) < n) == chunked, (widths, n)
+    assert torch.equal(largest_values(distinct, k, 0), torch.topk(distinct, k).values)  # 0: one topk
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_truncated_with_candidates_from_the_chunks(device, monkeypatch, top_p):
+    """`truncated_softmax` with `TOPK_CHUNK` set keeps the tokens and probabilities of the reference (one
+    `torch.topk`): ties at the k-th across chunks, masked tokens, a remainder past the last chunk; its
+    candidates come from the chunks (a `torch.topk` over fewer values than the row)."""
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 5003, generator=generator) * 4
+    logits[:, 1::7] = float("-inf")
+    logits[1] = torch.randint(-3, 3, (5003,), generator=generator).float()  # ties at the k-th, everywhere
+    logits[2, :4000] = float("-inf")
+    for dtype in _dtypes(device):
+        x = logits.to(dtype).to(device)
+        expected = truncated_softmax_ref(x, 0.65, 20, top_p, 1)
+        monkeypatch.setattr(module, "TOPK_CHUNK", 32)
+        widths = _counting_topk(monkeypatch)
+        got = truncated_softmax(x, 0.65, 20, top_p, 1)
+        monkeypatch.undo()
+        _assert_same_truncation(got, expected)
+        assert min(widths) < 5003 and max(widths) < 5003, widths
