@@ -221,10 +221,10 @@ def test_the_topk_chunk_suffix_sets_the_chunks_for_its_run_only():
 
     from hf_sparsespec.kernels import tempered_softmax
 
-    with run_settings("induction_diagonal_compiled_topkchunk128"):
-        assert tempered_softmax.TOPK_CHUNK == 128
-    assert tempered_softmax.TOPK_CHUNK == 0
-    assert run_fields("induction_diagonal_compiled_topkchunk128", None) == run_fields("induction_diagonal_compiled", None)
+    with run_settings("induction_diagonal_compiled_topkchunk0"):
+        assert tempered_softmax.TOPK_CHUNK == 0
+    assert tempered_softmax.TOPK_CHUNK == 256
+    assert run_fields("induction_diagonal_compiled_topkchunk0", None) == run_fields("induction_diagonal_compiled", None)
 
 
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():

@@ -52,9 +52,10 @@ from hf_sparsespec.kernels.keyed_sample import (
 
 SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
 # Values per chunk whose maximum ranks it in `largest_values` (0: one `torch.topk` over the whole row).
-# `torch.topk` over a 151,936-entry row selects by radix, one pass over the rows per 8-bit digit: 0.66 ms
-# for 484 bf16 rows on the H100, 1.04 ms over float32 (docs/measurements.md 37). Off until measured.
-TOPK_CHUNK = 0
+# `torch.topk` over a 151,936-entry row selects by radix, one pass over the rows per 8-bit digit: for 484
+# rows on the H100, k = 20 / 50, 0.66 ms over bf16 logits and 1.04 over float32 scores; through chunks of
+# 256, 0.26 / 0.31 and 0.29 / 0.37 ms (chunks of 64 and 128: 0.29-0.49 ms; docs/measurements.md 39).
+TOPK_CHUNK = 256
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
