@@ -335,11 +335,11 @@ def truncation_stats(
     (`keyed_sample.stats_probability`), bit for bit what `truncated_softmax` writes.
 
     `largest_values` (one `torch.topk`, or the chunks' maxima first) finds each row's k best raw logits
-    (the temperature does not reorder them); one pass sums top-k's softmax over every token at or above the k-th (ties beyond the k included);
-    top-p's cut is found among the k candidates, as the reference does. Tokens are kept by comparing
-    raw logits, so a float32 logit below the k-th that the division by T would round onto it stays out
-    (the reference agrees; transformers keeps it); bf16 and fp16 logits never round together. No host
-    syncs (CUDA-graph safe).
+    (the temperature does not reorder them); one pass sums top-k's softmax over every token at or above
+    the k-th (ties beyond the k included); top-p's cut is found among the k candidates, as the reference
+    does. Tokens are kept by comparing raw logits, so a float32 logit below the k-th that the division
+    by T would round onto it stays out (the reference agrees; transformers keeps it); bf16 and fp16
+    logits never round together. No host syncs (CUDA-graph safe).
 
     Args:
         logits: `[num_rows, vocab]` fp16/bf16/fp32, unit stride over the vocabulary.
