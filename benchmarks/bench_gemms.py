@@ -9,6 +9,7 @@ per layer, so the table's "forward" row sums them x layers plus the LM head once
 
     python benchmarks/bench_gemms.py --model qwen2.5-1.5b --tokens 64,120,136,256,480,492,510,512,580
     python benchmarks/bench_gemms.py --tokens 56:168:8,240:656:16      # ranges start:stop:step (stop excluded)
+    python benchmarks/bench_gemms.py --autotune --mlp --tokens 64,136,496   # and inductor's autotuned choices
 
 Prints a table last; writes JSON to `--out` (a folder) when given.
 """
@@ -56,6 +57,27 @@ def autotuned_linear():
     return torch.compile(torch.nn.functional.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
 
 
+def mlp_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A Qwen2/Llama MLP on packed gate/up weights: down(silu(gate) * up), as the packed forward runs it."""
+    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
+
+
+def measure_mlp(tokens: int, hidden: int, inter: int, block) -> float:
+    """Median ms of one compiled MLP block, rotating over weights so the L2 holds none of them."""
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    copies = max(2, int(120e6 // (3 * hidden * inter * 2)) + 1)
+    weights = [(torch.randn(2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02,
+                torch.randn(hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02) for _ in range(copies)]  # fmt: skip
+    index = [0]
+
+    def step():
+        index[0] = (index[0] + 1) % copies
+        block(x, *weights[index[0]])
+
+    return do_bench(step, warmup=25, rep=200, return_mode="median")
+
+
 def token_counts(spec: str) -> list[int]:
     """`64,120` and ranges `start:stop:step` (stop excluded), comma-separated, in order, without repeats."""
     counts: list[int] = []
@@ -75,8 +97,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--autotune", action="store_true",
                         help="also time inductor's autotuned GEMM (max-autotune: Triton templates or cuBLAS) per shape")
+    parser.add_argument("--mlp", action="store_true",
+                        help="also time the MLP block (gate/up, SiLU x up, down) compiled by inductor, default and "
+                        "max-autotune (where a Triton template wins, the SiLU product can fuse into its epilogue)")
     args = parser.parse_args()
     tuned = autotuned_linear() if args.autotune else None
+    blocks = {}
+    if args.mlp:
+        torch._dynamo.config.cache_size_limit = 1024
+        blocks = {"MLP block, compiled": torch.compile(mlp_block, dynamic=False),
+                  "MLP block, compiled max-autotune": torch.compile(mlp_block, mode="max-autotune-no-cudagraphs",
+                                                                    dynamic=False)}  # fmt: skip
     counts = token_counts(args.tokens)
     rows = []
     for tokens in counts:
@@ -96,6 +127,14 @@ def main() -> None:
                              "times": times})  # fmt: skip
             forward_ms += ms * times
             forward_ideal += ideal * times
+        hidden, _, _, inter, _, layers = SHAPES[args.model]
+        for label, block in blocks.items():
+            ms = measure_mlp(tokens, hidden, inter, block)
+            flops = 2 * tokens * 3 * hidden * inter
+            moved = 2 * (3 * hidden * inter + tokens * 2 * hidden)
+            ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
+            rows.append({"tokens": tokens, "projection": label, "ms": ms, "tflops": flops / ms / 1e9,
+                         "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": layers})  # fmt: skip
         rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,
                      "ideal_ms": forward_ideal, "times": 1})  # fmt: skip
     if args.out:
