@@ -197,13 +197,14 @@ MODULE_SUFFIXES = (
     ("_padding", batch_builder, "MAX_PADDING_TOKENS"),  # the most padding tokens a row bucket's step may add
     ("_fromlogits", model_runner, "SAMPLE_FROM_LOGITS"),  # 0: the sampling probabilities written out, as before
     ("_autotune", model_runner, "AUTOTUNE_GEMMS"),  # 1: the compiled forward's GEMMs autotuned by inductor
+    ("_pdl", model_runner, "INDUCTOR_PDL"),  # 1: the compiled forward's Triton kernels launched dependent (PDL)
     ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
     ("_maxtile", attention_plan, "MAX_BLOCK_M"),  # the largest query tile of full rows (64: k = 16 in two)
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k's candidates through chunks' maxima (0: one topk, as before)
 )
 # Settings read when the forward compiles: dynamo keeps one cache per code object and does not guard on
 # them, so a run whose compile settings differ from the previous run's compiles from scratch.
-COMPILE_SETTINGS = ("AUTOTUNE_GEMMS",)
+COMPILE_SETTINGS = ("AUTOTUNE_GEMMS", "INDUCTOR_PDL")
 _compiled_with: list[dict] = [{}]  # the compile settings of dynamo's cache (the last run's)
 
 

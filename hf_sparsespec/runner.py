@@ -60,6 +60,10 @@ SAMPLE_FROM_LOGITS = 1
 # hint; minutes more compilation). 0 leaves them to cuBLAS. Off until measured end to end (`_autotune1`
 # runs); `benchmarks/bench_gemms.py --autotune` compares the two GEMM by GEMM.
 AUTOTUNE_GEMMS = 0
+# 1: the compiled forward's Triton kernels use programmatic dependent launch (inductor's
+# `triton.enable_pdl`, torch >= 2.10, Hopper and later): a kernel's launch and set-up overlap the end of
+# the one before it. Off until measured end to end (`_pdl1` runs).
+INDUCTOR_PDL = 0
 
 
 @dataclass
@@ -633,6 +637,12 @@ class ModelRunner:
             compile_options["pre_grad_custom_pass"] = self.fuse_projections
         if step.compiled and AUTOTUNE_GEMMS:
             compile_options["max_autotune_gemm"] = True
+        if step.compiled and INDUCTOR_PDL:
+            if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+                raise NotImplementedError(
+                    f"INDUCTOR_PDL needs inductor's triton.enable_pdl (torch >= 2.10); torch {torch.__version__} has none"
+                )
+            compile_options["triton.enable_pdl"] = True
         self.cache.active_step = step
         try:
             with torch._inductor.config.patch(compile_options) if compile_options else nullcontext():

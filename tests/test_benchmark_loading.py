@@ -193,15 +193,18 @@ def test_the_padding_suffix_sets_the_row_buckets_steps_for_its_run_only():
         "induction_diagonal_compiled_refresh2", None)  # fmt: skip
 
 
-def test_the_autotune_and_merge_block_suffixes_set_their_constants_for_their_run_only():
+def test_the_autotune_pdl_and_merge_block_suffixes_set_their_constants_for_their_run_only():
     from e2e_throughput import run_fields, run_settings
 
     from hf_sparsespec import runner
     from hf_sparsespec.kernels import _attention_tile
 
-    with run_settings("induction_diagonal_compiled_fullsplit512_autotune1_mergeblock1"):
-        assert runner.AUTOTUNE_GEMMS == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1
-    assert runner.AUTOTUNE_GEMMS == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8
+    with run_settings("induction_diagonal_compiled_fullsplit512_autotune1_pdl1_mergeblock1"):
+        assert runner.AUTOTUNE_GEMMS == 1 and runner.INDUCTOR_PDL == 1 and _attention_tile.MERGE_SPLIT_BLOCK == 1
+    assert runner.AUTOTUNE_GEMMS == 0 and runner.INDUCTOR_PDL == 0 and _attention_tile.MERGE_SPLIT_BLOCK == 8
+    with run_settings("induction_diagonal_compiled_pdl1"):
+        assert runner.INDUCTOR_PDL == 1 and runner.AUTOTUNE_GEMMS == 0
+    assert run_fields("induction_diagonal_compiled_pdl1", None) == run_fields("induction_diagonal_compiled", None)
     assert run_fields("induction_diagonal_compiled_autotune1", None) == run_fields("induction_diagonal_compiled", None)
 
 
@@ -494,3 +497,6 @@ def test_runs_that_change_the_compilation_compile_afresh(monkeypatch):
     with run_settings("ar_compiled"):
         pass
     assert len(resets) == 2
+    with run_settings("ar_compiled_pdl1"):
+        pass
+    assert len(resets) == 3

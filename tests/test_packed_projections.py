@@ -147,24 +147,27 @@ def test_the_default_packs_whenever_the_forward_is_compiled(compile_forward, pac
     assert config.packs_projections is packs
 
 
-@pytest.mark.parametrize("autotune", [0, 1])
-def test_the_compiled_forward_autotunes_its_gemms_only_when_asked(autotune, monkeypatch):
-    """`runner.AUTOTUNE_GEMMS` reaches inductor's config around every compiled call (read when it
-    compiles), beside the sibling-projection pass, and inductor's config is as it was after the run."""
+@pytest.mark.parametrize(("autotune", "pdl"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_the_compiled_forward_autotunes_its_gemms_and_launches_dependent_only_when_asked(autotune, pdl, monkeypatch):
+    """`runner.AUTOTUNE_GEMMS` and `runner.INDUCTOR_PDL` reach inductor's config around every compiled call
+    (read when it compiles), beside the sibling-projection pass, and inductor's config is as it was after
+    the run."""
     from hf_sparsespec import runner as model_runner
 
     monkeypatch.setattr(model_runner, "AUTOTUNE_GEMMS", autotune)
+    monkeypatch.setattr(model_runner, "INDUCTOR_PDL", pdl)
     model = tiny_model("qwen2", num_hidden_layers=2)
     config = SparseSpecConfig(num_draft_tokens=2, min_budget=2, page_size=4, compile_forward=True,
                               selection="induction_diagonal", backend="torch")  # fmt: skip
     seen = []
+    inductor = torch._inductor.config
 
     def build_engine(*args, **kwargs):  # the compiled call replaced by the eager one, which records the config
         engine, requests = original(*args, **kwargs)
         eager = engine.runner._model_logits
 
         def recording(*call_args):
-            seen.append((torch._inductor.config.max_autotune_gemm, torch._inductor.config.pre_grad_custom_pass))
+            seen.append((inductor.max_autotune_gemm, inductor.triton.enable_pdl, inductor.pre_grad_custom_pass))
             return eager(*call_args)
 
         engine.runner.compiled_forward = recording
@@ -175,6 +178,20 @@ def test_the_compiled_forward_autotunes_its_gemms_only_when_asked(autotune, monk
     original = test_step_buffers._build_engine
     monkeypatch.setattr(test_step_buffers, "_build_engine", build_engine)
     _run_engine(model, PROMPTS, config, pad=True, max_new_tokens=8)
-    assert seen and {autotune_gemm for autotune_gemm, _ in seen} == {bool(autotune)}
-    assert all(isinstance(fusing, pp.FuseSiblingLinears) for _, fusing in seen)
-    assert torch._inductor.config.max_autotune_gemm is False and torch._inductor.config.pre_grad_custom_pass is None
+    assert seen and {(autotune_gemm, launch_pdl) for autotune_gemm, launch_pdl, _ in seen} == {(bool(autotune), bool(pdl))}
+    assert all(isinstance(fusing, pp.FuseSiblingLinears) for _, _, fusing in seen)
+    assert inductor.max_autotune_gemm is False and inductor.triton.enable_pdl is False
+    assert inductor.pre_grad_custom_pass is None
+
+
+def test_dependent_launches_without_inductor_support_fail_clearly(monkeypatch):
+    """A torch whose inductor has no `triton.enable_pdl` (before 2.10) is told so, not silently run without."""
+    from hf_sparsespec import runner as model_runner
+
+    monkeypatch.setattr(model_runner, "INDUCTOR_PDL", 1)
+    monkeypatch.delattr(torch._inductor.config.triton, "enable_pdl")
+    model = tiny_model("qwen2", num_hidden_layers=2)
+    config = SparseSpecConfig(num_draft_tokens=2, min_budget=2, page_size=4, compile_forward=True,
+                              selection="induction_diagonal", backend="torch")  # fmt: skip
+    with pytest.raises(NotImplementedError, match="triton.enable_pdl"):
+        _run_engine(model, PROMPTS, config, pad=True, max_new_tokens=8)
