@@ -110,6 +110,11 @@ def main() -> None:
                                                                     dynamic=False)}  # fmt: skip
     counts = token_counts(args.tokens)
     rows = []
+
+    def progress(row):  # one line per timing as it lands, so a run cut short still shows what it measured
+        rows.append(row)
+        print(f"# {row['tokens']} tokens, {row['projection']}: {row['ms']:.4f} ms", flush=True)
+
     for tokens in counts:
         forward_ms = forward_ideal = 0.0
         for projection, fan_in, fan_out, times in projections(args.model):
@@ -118,11 +123,11 @@ def main() -> None:
             flops = 2 * tokens * fan_in * fan_out
             moved = 2 * (fan_in * fan_out + tokens * (fan_in + fan_out))
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
-            rows.append({"tokens": tokens, "projection": projection, "ms": ms, "tflops": flops / ms / 1e9,
+            progress({"tokens": tokens, "projection": projection, "ms": ms, "tflops": flops / ms / 1e9,
                          "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": times})  # fmt: skip
             if tuned is not None:
                 tuned_ms = measure(tokens, fan_in, fan_out, copies, tuned)
-                rows.append({"tokens": tokens, "projection": f"{projection}, autotuned", "ms": tuned_ms,
+                progress({"tokens": tokens, "projection": f"{projection}, autotuned", "ms": tuned_ms,
                              "tflops": flops / tuned_ms / 1e9, "gbps": moved / tuned_ms / 1e6, "ideal_ms": ideal,
                              "times": times})  # fmt: skip
             forward_ms += ms * times
@@ -133,7 +138,7 @@ def main() -> None:
             flops = 2 * tokens * 3 * hidden * inter
             moved = 2 * (3 * hidden * inter + tokens * 2 * hidden)
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
-            rows.append({"tokens": tokens, "projection": label, "ms": ms, "tflops": flops / ms / 1e9,
+            progress({"tokens": tokens, "projection": label, "ms": ms, "tflops": flops / ms / 1e9,
                          "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": layers})  # fmt: skip
         rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,
                      "ideal_ms": forward_ideal, "times": 1})  # fmt: skip
