@@ -58,7 +58,8 @@ MAX_GRAPHS = 512
 SAMPLE_FROM_LOGITS = 1
 # 1: a compiled forward's GEMMs are autotuned by inductor (its Triton templates against cuBLAS, per shape
 # hint; minutes more compilation). 0 leaves them to cuBLAS. Off: at 496 tokens on an H100 its picks for
-# the three projections timed were 5-36 % slower than cuBLAS (docs/measurements.md 40; `benchmarks/bench_gemms.py --autotune`).
+# the three projections timed were 5-36 % slower than cuBLAS (docs/measurements.md 40;
+# `benchmarks/bench_gemms.py --autotune`).
 AUTOTUNE_GEMMS = 0
 # 1: the compiled forward's Triton kernels use programmatic dependent launch (inductor's
 # `triton.enable_pdl`, torch >= 2.10, Hopper and later): a kernel's launch and set-up overlap the end of
