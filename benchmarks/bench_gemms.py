@@ -124,12 +124,12 @@ def main() -> None:
             moved = 2 * (fan_in * fan_out + tokens * (fan_in + fan_out))
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
             progress({"tokens": tokens, "projection": projection, "ms": ms, "tflops": flops / ms / 1e9,
-                         "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": times})  # fmt: skip
+                      "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": times})  # fmt: skip
             if tuned is not None:
                 tuned_ms = measure(tokens, fan_in, fan_out, copies, tuned)
                 progress({"tokens": tokens, "projection": f"{projection}, autotuned", "ms": tuned_ms,
-                             "tflops": flops / tuned_ms / 1e9, "gbps": moved / tuned_ms / 1e6, "ideal_ms": ideal,
-                             "times": times})  # fmt: skip
+                          "tflops": flops / tuned_ms / 1e9, "gbps": moved / tuned_ms / 1e6, "ideal_ms": ideal,
+                          "times": times})  # fmt: skip
             forward_ms += ms * times
             forward_ideal += ideal * times
         hidden, _, _, inter, _, layers = SHAPES[args.model]
@@ -139,7 +139,7 @@ def main() -> None:
             moved = 2 * (3 * hidden * inter + tokens * 2 * hidden)
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
             progress({"tokens": tokens, "projection": label, "ms": ms, "tflops": flops / ms / 1e9,
-                         "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": layers})  # fmt: skip
+                      "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": layers})  # fmt: skip
         rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,
                      "ideal_ms": forward_ideal, "times": 1})  # fmt: skip
     if args.out:
