@@ -35,16 +35,19 @@ def projections(name: str) -> list[tuple[str, int, int, int]]:
             ("lm_head", hidden, vocab, 1)]  # fmt: skip
 
 
-def measure(tokens: int, features_in: int, features_out: int, copies: int, linear=torch.nn.functional.linear) -> float:
-    """Median ms of one GEMM; rotates over `copies` weights so the L2 holds none of them."""
+def measure(tokens: int, features_in: int, weight_shapes: list[tuple[int, int]],
+            op=torch.nn.functional.linear) -> float:  # fmt: skip
+    """Median ms of `op(x, *weights)` for `x [tokens, features_in]`; rotates over enough copies of the
+    weights (~120 MB) that the L2 holds none of them, as a forward reads them."""
     x = torch.randn(tokens, features_in, dtype=torch.bfloat16, device="cuda")
-    weights = [torch.randn(features_out, features_in, dtype=torch.bfloat16, device="cuda") * 0.02
+    copies = max(2, int(120e6 // sum(2 * rows * cols for rows, cols in weight_shapes)) + 1)
+    weights = [[torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.02 for shape in weight_shapes]
                for _ in range(copies)]  # fmt: skip
     index = [0]
 
     def step():
         index[0] = (index[0] + 1) % copies
-        linear(x, weights[index[0]])
+        op(x, *weights[index[0]])
 
     return do_bench(step, warmup=25, rep=200, return_mode="median")
 
@@ -61,21 +64,6 @@ def mlp_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     """A Qwen2/Llama MLP on packed gate/up weights: down(silu(gate) * up), as the packed forward runs it."""
     gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
     return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
-
-
-def measure_mlp(tokens: int, hidden: int, inter: int, block) -> float:
-    """Median ms of one compiled MLP block, rotating over weights so the L2 holds none of them."""
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-    copies = max(2, int(120e6 // (3 * hidden * inter * 2)) + 1)
-    weights = [(torch.randn(2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02,
-                torch.randn(hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02) for _ in range(copies)]  # fmt: skip
-    index = [0]
-
-    def step():
-        index[0] = (index[0] + 1) % copies
-        block(x, *weights[index[0]])
-
-    return do_bench(step, warmup=25, rep=200, return_mode="median")
 
 
 def token_counts(spec: str) -> list[int]:
@@ -109,6 +97,7 @@ def main() -> None:
                   "MLP block, compiled max-autotune": torch.compile(mlp_block, mode="max-autotune-no-cudagraphs",
                                                                     dynamic=False)}  # fmt: skip
     counts = token_counts(args.tokens)
+    hidden, _, _, inter, _, layers = SHAPES[args.model]
     rows = []
 
     def progress(row):  # one line per timing as it lands, so a run cut short still shows what it measured
@@ -118,23 +107,21 @@ def main() -> None:
     for tokens in counts:
         forward_ms = forward_ideal = 0.0
         for projection, fan_in, fan_out, times in projections(args.model):
-            copies = max(2, int(120e6 // (fan_in * fan_out * 2)) + 1)
-            ms = measure(tokens, fan_in, fan_out, copies)
+            ms = measure(tokens, fan_in, [(fan_out, fan_in)])
             flops = 2 * tokens * fan_in * fan_out
             moved = 2 * (fan_in * fan_out + tokens * (fan_in + fan_out))
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
             progress({"tokens": tokens, "projection": projection, "ms": ms, "tflops": flops / ms / 1e9,
                       "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": times})  # fmt: skip
             if tuned is not None:
-                tuned_ms = measure(tokens, fan_in, fan_out, copies, tuned)
+                tuned_ms = measure(tokens, fan_in, [(fan_out, fan_in)], tuned)
                 progress({"tokens": tokens, "projection": f"{projection}, autotuned", "ms": tuned_ms,
                           "tflops": flops / tuned_ms / 1e9, "gbps": moved / tuned_ms / 1e6, "ideal_ms": ideal,
                           "times": times})  # fmt: skip
             forward_ms += ms * times
             forward_ideal += ideal * times
-        hidden, _, _, inter, _, layers = SHAPES[args.model]
         for label, block in blocks.items():
-            ms = measure_mlp(tokens, hidden, inter, block)
+            ms = measure(tokens, hidden, [(2 * inter, hidden), (hidden, inter)], block)
             flops = 2 * tokens * 3 * hidden * inter
             moved = 2 * (3 * hidden * inter + tokens * 2 * hidden)
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
