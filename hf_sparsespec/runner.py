@@ -59,11 +59,13 @@ SAMPLE_FROM_LOGITS = 1
 # 1: a compiled forward's GEMMs are autotuned by inductor (its Triton templates against cuBLAS, per shape
 # hint; minutes more compilation). 0 leaves them to cuBLAS. Off: at 496 tokens on an H100 its picks for
 # the three projections timed were 5-36 % slower than cuBLAS (docs/measurements.md 40;
-# `benchmarks/bench_gemms.py --autotune`).
+# `benchmarks/bench_gemms.py --autotune`), at 136 tokens tied or up to 24 % slower, and a 64-row
+# iteration took 2.1 % longer with it (docs/measurements.md 41).
 AUTOTUNE_GEMMS = 0
 # 1: the compiled forward's Triton kernels use programmatic dependent launch (inductor's
 # `triton.enable_pdl`, torch >= 2.10, Hopper and later): a kernel's launch and set-up overlap the end of
-# the one before it. Off until measured end to end (`_pdl1` runs).
+# the one before it. Off: a 256-row SparseSpec iteration took 4.7 % longer with it on an H100
+# (docs/measurements.md 41; `_pdl1` runs).
 INDUCTOR_PDL = 0
 
 
