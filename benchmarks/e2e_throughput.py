@@ -201,7 +201,6 @@ MODULE_SUFFIXES = (
     ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
     ("_maxtile", attention_plan, "MAX_BLOCK_M"),  # the largest query tile of full rows (64: k = 16 in two)
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k's candidates through chunks' maxima (0: one topk, as before)
-    ("_topkfewrows", tempered_softmax, "TOPK_FEW_ROWS"),  # rows below which the chunks narrow (0: TOPK_CHUNK at every count)
 )
 # Settings read when the forward compiles: dynamo keeps one cache per code object and does not guard on
 # them, so a run whose compile settings differ from the previous run's compiles from scratch.

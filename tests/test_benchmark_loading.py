@@ -219,7 +219,7 @@ def test_the_max_tile_suffix_sets_the_full_rows_tile_for_its_run_only():
     assert run_fields("induction_diagonal_compiled_k16_maxtile64", None)["num_draft_tokens"] == 16
 
 
-def test_the_topk_suffixes_set_the_chunks_for_their_run_only():
+def test_the_topk_chunk_suffix_sets_the_chunks_for_its_run_only():
     from e2e_throughput import run_fields, run_settings
 
     from hf_sparsespec.kernels import tempered_softmax
@@ -228,11 +228,6 @@ def test_the_topk_suffixes_set_the_chunks_for_their_run_only():
         assert tempered_softmax.TOPK_CHUNK == 0
     assert tempered_softmax.TOPK_CHUNK == 256
     assert run_fields("induction_diagonal_compiled_topkchunk0", None) == run_fields("induction_diagonal_compiled", None)
-    with run_settings("induction_diagonal_compiled_topkchunk256_topkfewrows0"):
-        assert (tempered_softmax.TOPK_CHUNK, tempered_softmax.TOPK_FEW_ROWS) == (256, 0)
-        assert [tempered_softmax.topk_chunk(rows) for rows in (1, 121, 484)] == [256, 256, 256]
-    assert (tempered_softmax.TOPK_CHUNK, tempered_softmax.TOPK_FEW_ROWS) == (256, 256)
-    assert [tempered_softmax.topk_chunk(rows) for rows in (1, 121, 484)] == [128, 128, 256]
 
 
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():

@@ -54,14 +54,10 @@ SOFTMAX_PROGRAMS_PER_SM = 8  # rows x splits per SM the split aims at
 # Values per chunk whose maximum ranks it in `largest_values` (0: one `torch.topk` over the whole row).
 # `torch.topk` over a 151,936-entry row selects by radix, one pass over the rows per 8-bit digit: for 484
 # rows on the H100, k = 20 / 50, 0.66 ms over bf16 logits and 1.04 over float32 scores; through chunks of
-# 256, 0.26 / 0.31 and 0.29 / 0.37 ms (chunks of 64 and 128: 0.29-0.49 ms; docs/measurements.md 39).
-# Below `TOPK_FEW_ROWS` rows the chunks are `TOPK_CHUNK_FEW_ROWS` wide (at most `TOPK_CHUNK`): at 1, 16, 64
-# and 121 rows (k = 20 / 50, bf16 / float32) chunks of 128 beat chunks of 256 in 15 of 16 timings, by up
-# to 29 % (121 float32 rows, k = 20: 0.109 against 0.152 ms; one `torch.topk` 0.433), and beat one
-# `torch.topk` in all but one (1 bf16 row, k = 50: 0.061 against 0.059 ms; docs/measurements.md 41).
+# 256, 0.26 / 0.31 and 0.29 / 0.37 ms (chunks of 64 and 128: 0.29-0.49 ms; docs/measurements.md 39). At
+# 1-121 rows chunks of 128 time faster alone, but a 64-request iteration took the same with either
+# (3.65 against 3.63 ms; one `torch.topk` 3.91; docs/measurements.md 41): one width for every row count.
 TOPK_CHUNK = 256
-TOPK_CHUNK_FEW_ROWS = 128
-TOPK_FEW_ROWS = 256
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -309,17 +305,9 @@ def _truncated_partials_kernel(
     tl.store(sum_ptr + row * tl.num_programs(1) + split, tl.sum(total, axis=0))
 
 
-def topk_chunk(rows: int) -> int:
-    """The chunk width `largest_values` ranks `rows` rows by: `TOPK_CHUNK`, narrower below
-    `TOPK_FEW_ROWS` rows; 0 (one `torch.topk`) when `TOPK_CHUNK` is 0."""
-    if not TOPK_CHUNK:
-        return 0
-    return TOPK_CHUNK if rows >= TOPK_FEW_ROWS else min(TOPK_CHUNK, TOPK_CHUNK_FEW_ROWS)
-
-
 def largest_values(scores: torch.Tensor, k: int, chunk: int | None = None) -> torch.Tensor:
     """`torch.topk(scores, k, dim=-1).values` of `scores [rows, n]` (`[rows, k]`, descending), ranking
-    the rows' chunks of `chunk` values (default `topk_chunk(rows)`) by their maxima first: one read of the
+    the rows' chunks of `chunk` values (default `TOPK_CHUNK`) by their maxima first: one read of the
     rows (`amax` per chunk), a `torch.topk` over the `n / chunk` maxima, and one over the k best chunks
     and the remainder (the values past the last whole chunk), `k x chunk` values or so a row.
 
@@ -327,8 +315,8 @@ def largest_values(scores: torch.Tensor, k: int, chunk: int | None = None) -> to
     maximum, so at most each of the k best chunks' maxima, which are k values of the candidates; it
     cannot displace any of their k largest. One `torch.topk` over the whole row when `chunk` is 0 or
     the candidates would be more than half of it. No host syncs (CUDA-graph safe)."""
+    chunk = TOPK_CHUNK if chunk is None else chunk
     rows, n = scores.shape
-    chunk = topk_chunk(rows) if chunk is None else chunk
     whole = n // chunk if chunk else 0
     if whole <= k or 2 * k * chunk > n:
         return torch.topk(scores, k, dim=-1).values

@@ -214,27 +214,3 @@ def test_truncated_with_candidates_from_the_chunks(device, monkeypatch, top_p):
         monkeypatch.undo()
         _assert_same_truncation(got, expected)
         assert min(widths) < 5003 and max(widths) < 5003, widths
-
-
-def test_chunk_width_follows_the_rows(monkeypatch):
-    """`largest_values` without a chunk ranks chunks of `TOPK_CHUNK` values at `TOPK_FEW_ROWS` rows or more
-    and of `TOPK_CHUNK_FEW_ROWS` below (never wider than `TOPK_CHUNK`), one `torch.topk` when `TOPK_CHUNK`
-    is 0; the values are one `torch.topk`'s whichever it takes."""
-    assert (module.TOPK_CHUNK, module.TOPK_CHUNK_FEW_ROWS, module.TOPK_FEW_ROWS) == (256, 128, 256)
-    assert [module.topk_chunk(rows) for rows in (1, 121, 255, 256, 484)] == [128, 128, 128, 256, 256]
-    generator = torch.Generator().manual_seed(5)
-    n, k = 20_480, 20  # whole chunks of 128 and of 256, no remainder
-    for rows, candidates in ((255, k * 128), (256, k * 256)):
-        scores = torch.randn(rows, n, generator=generator)
-        widths = _counting_topk(monkeypatch)
-        got = largest_values(scores, k)
-        monkeypatch.undo()
-        assert torch.equal(got, torch.topk(scores, k).values)
-        assert widths == [n // (candidates // k), candidates], (rows, widths)
-    monkeypatch.setattr(module, "TOPK_CHUNK", 64)
-    assert [module.topk_chunk(rows) for rows in (1, 256)] == [64, 64]
-    monkeypatch.setattr(module, "TOPK_CHUNK", 0)
-    assert [module.topk_chunk(rows) for rows in (1, 256)] == [0, 0]
-    widths = _counting_topk(monkeypatch)
-    largest_values(scores, k)
-    assert widths == [n]
