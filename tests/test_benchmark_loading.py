@@ -155,9 +155,10 @@ def test_split_suffixes_set_the_engines_floors_for_their_run_only():
     assert (attention_plan.MIN_KEYS_PER_FULL_SPLIT, attention_plan.MIN_KEYS_PER_VERIFY_SPLIT) == (1024, 256)
 
 
-def test_the_wide_verification_floor_applies_where_the_launch_keeps_its_programs():
-    """`_verifywide512`: a verification tile's pieces get at least 512 keys where the launch still has
-    three quarters of the programs it aims for (264 items, a 132-SM GPU with 2 KV heads), 256 elsewhere."""
+def test_the_wide_verification_floor_applies_by_default_where_the_launch_keeps_its_programs():
+    """By default (`WIDE_KEYS_PER_VERIFY_SPLIT` 512) a verification tile's pieces get at least 512 keys where
+    the launch still has three quarters of the programs it aims for (264 items, a 132-SM GPU with 2 KV
+    heads), 256 elsewhere; `_verifywide0` gives them 256 everywhere, for its run only."""
     import numpy as np
     from e2e_throughput import run_settings
 
@@ -173,10 +174,10 @@ def test_the_wide_verification_floor_applies_where_the_launch_keeps_its_programs
 
     # 64 x 8K, 256 x 1K, 64 x 1K (drafts attend their selection and a 40-key window)
     shapes = [(7, 57, 8000, 400), (28, 228, 1000, 200), (7, 57, 1000, 200)]
-    assert [verification_pieces(*shape) for shape in shapes] == [7 * 25, 28 * 4, 7 * 4]
-    with run_settings("induction_diagonal_compiled_verifywide512"):
-        assert [verification_pieces(*shape) for shape in shapes] == [7 * 16, 28 * 2, 7 * 4]
-    assert attention_plan.WIDE_KEYS_PER_VERIFY_SPLIT == 0
+    assert [verification_pieces(*shape) for shape in shapes] == [7 * 16, 28 * 2, 7 * 4]
+    with run_settings("induction_diagonal_compiled_verifywide0"):
+        assert [verification_pieces(*shape) for shape in shapes] == [7 * 25, 28 * 4, 7 * 4]
+    assert attention_plan.WIDE_KEYS_PER_VERIFY_SPLIT == 512
 
 
 def test_the_padding_suffix_sets_the_row_buckets_steps_for_its_run_only():

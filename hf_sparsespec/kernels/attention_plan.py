@@ -50,9 +50,11 @@ MIN_KEYS_PER_VERIFY_SPLIT = 256
 # A wider floor for the verification tiles, taken when the launch keeps at least WIDE_VERIFY_MIN_SHARE of
 # the programs it aims for with it (0: never). One layer's mixed launch on the H100 (docs/measurements.md
 # 31, floors 512 against 256) took 8 % less at 64 rows x 8K and 3-5 % less at 256 x 1K-2K, where 512
-# leaves >= 3 programs an SM, the same at 64 x 4K (2.6), and 12-25 % more at 64 x 1K-2K (~1). Off until
-# measured end to end (`_verifywide512` runs).
-WIDE_KEYS_PER_VERIFY_SPLIT = 0
+# leaves >= 3 programs an SM, the same at 64 x 4K (2.6) and at 256 x 4K-8K, and 12-25 % more at 64 x 1K-2K
+# (~1), where the share keeps 256. In the engine (H100, random weights, 64 requests at 8K contexts) an
+# iteration took 4.37 ms against 4.50 (-2.9 %; docs/measurements.md 41); not measured end to end.
+# `_verifywide0` runs take 256 everywhere, as before.
+WIDE_KEYS_PER_VERIFY_SPLIT = 512
 WIDE_VERIFY_MIN_SHARE = 0.75
 # Programs the decomposition aims for, per multiprocessor (several waves hide the tail).
 PROGRAMS_PER_SM = 4

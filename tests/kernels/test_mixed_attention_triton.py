@@ -134,9 +134,11 @@ def test_verifications_of_k16_in_two_64_row_tiles(device, dtype, monkeypatch):
     assert q_begins == {0, 10}
 
 
-def test_a_rows_query_tiles_read_each_key_range_side_by_side():
+def test_a_rows_query_tiles_read_each_key_range_side_by_side(monkeypatch):
     """The pieces of a row's query tiles that cover one key range are neighbours in the work list
-    (longest first still), so the second tile's keys come from L2."""
+    (longest first still), so the second tile's keys come from L2. (Without the wide verification floor,
+    so that the rows split into several pieces at this small grid.)"""
+    monkeypatch.setattr(attention_plan, "WIDE_KEYS_PER_VERIFY_SPLIT", 0)
     context_lens, q_lens = [800, 700, 50], [17, 17, 1]
     work, _, _ = plan_work_lists(
         query_offsets(q_lens), context_lens, 2, [0, 0, 10], [0, 0, 40], group=6, block_m_full=64, items=12,
