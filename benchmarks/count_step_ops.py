@@ -94,7 +94,6 @@ def main() -> None:
     from transformers import GenerationConfig
 
     from hf_sparsespec import SparseSpecConfig
-    from hf_sparsespec.attention import use_attention
     from hf_sparsespec.engine import Engine
     from hf_sparsespec.generation import prepare_batch
 
@@ -134,7 +133,7 @@ def main() -> None:
         launches[("forward" if counter.in_forward else "outside", self.fn.__name__)] += 1
         return run(self, *a, **kw)
 
-    with use_attention(model), torch.no_grad():
+    with engine.running():
         runner._forward = counted_forward
         for _ in range(args.warm):
             engine.step()

@@ -37,7 +37,6 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig
 
 from hf_sparsespec import SparseSpecConfig
-from hf_sparsespec.attention import use_attention
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 
@@ -87,7 +86,7 @@ def _measure(model, prompts, args, run: str) -> dict:
 
     runner.run = run_and_record
     result = dict(run=run, batch=len(prompts), k=config.num_draft_tokens, compile_forward=config.compile_forward)
-    with use_attention(model), torch.no_grad():
+    with engine.running():  # as `generate`: the projections packed with the compiled forward (unpacked before §42)
         began = time.perf_counter()
         prefill_iterations = 0
         while not shapes or shapes[-1].num_prefill_rows:  # the (chunked) prefill

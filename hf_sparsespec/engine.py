@@ -213,11 +213,18 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        packing = packed_projections(self.model) if self.config.packs_projections else contextlib.nullcontext()
-        with use_attention(self.model, ATTENTION_NAME), torch.no_grad(), packing:
+        with self.running():
             while self.scheduler.has_work or self.pending:
                 self.step()
         self.cache.host.synchronize()
+
+    @contextlib.contextmanager
+    def running(self):
+        """What `step` needs around it: the engine's attention, no autograd and, when the config packs
+        them, the sibling projections packed (`run` holds it; benchmarks that step by hand enter it)."""
+        packing = packed_projections(self.model) if self.config.packs_projections else contextlib.nullcontext()
+        with use_attention(self.model, ATTENTION_NAME), torch.no_grad(), packing:
+            yield
 
     def step(self) -> None:
         rows = self.scheduler.schedule()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch._dynamo.utils
 from models import tiny_model
-from test_step_buffers import _run_engine
+from test_step_buffers import _build_engine, _run_engine
 
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec import packed_projections as pp
@@ -129,6 +129,21 @@ def test_compiled_forward_with_packed_projections_decodes_the_eager_tokens(compi
     assert graphs[1] > 0 and graphs[2] > 0
     q, k = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
     assert _storage(q.weight) != _storage(k.weight)  # unpacked after each run
+
+
+def test_stepping_by_hand_inside_running_packs_as_run_does():
+    """`Engine.running()` (what `run` holds, and benchmarks that call `step` themselves enter) packs the
+    projections when the config does, and unpacks them on exit; without packing it leaves them alone."""
+    model = tiny_model("qwen2", num_hidden_layers=2)
+    q, k = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
+    for pack in (None, False):
+        config = SparseSpecConfig(num_draft_tokens=2, min_budget=2, page_size=4, compile_forward=True,
+                                  pack_projections=pack, backend="torch")  # fmt: skip
+        engine, _ = _build_engine(model, PROMPTS, config, pad=True, max_new_tokens=4)
+        with engine.running():
+            assert (_storage(q.weight) == _storage(k.weight)) is config.packs_projections
+            assert not torch.is_grad_enabled()
+        assert _storage(q.weight) != _storage(k.weight)
 
 
 def test_pack_projections_needs_the_compiled_forward():
