@@ -98,7 +98,7 @@ from hf_sparsespec.config import SCORED_SELECTIONS
 from hf_sparsespec.engine import Engine
 from hf_sparsespec.generation import prepare_batch
 from hf_sparsespec.graph_buckets import CAPTURE_AFTER_PADDING_TOKENS, GraphBuckets
-from hf_sparsespec.kernels import _attention_tile, attention_plan, mixed_attention, pillar_select, tempered_softmax
+from hf_sparsespec.kernels import _attention_tile, attention_plan, pillar_select, tempered_softmax
 from hf_sparsespec.sampling import LogitsPipeline
 
 
@@ -199,7 +199,6 @@ MODULE_SUFFIXES = (
     ("_autotune", model_runner, "AUTOTUNE_GEMMS"),  # 1: the compiled forward's GEMMs autotuned by inductor
     ("_pdl", model_runner, "INDUCTOR_PDL"),  # 1: the compiled forward's Triton kernels launched dependent (PDL)
     ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
-    ("_fusedmerge", mixed_attention, "FUSED_MERGE"),  # 1: split tiles merged by their last piece, in the launch
     ("_maxtile", attention_plan, "MAX_BLOCK_M"),  # the largest query tile of full rows (64: k = 16 in two)
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k's candidates through chunks' maxima (0: one topk, as before)
 )

@@ -69,8 +69,8 @@ def sparsespec_attention(
             q, cache.key_pool, cache.value_pool, *rows, step.num_full_rows_tensor, step.recent_start, store, layer_idx,
             step.selection_slot, step.num_selected, scale,
             plan.work if plan else None, plan.merge if plan else None, plan.part_out if plan else None,
-            plan.part_lse if plan else None, plan.arrivals if plan else None, plan.block_m_full if plan else 0,
-            plan.block_m_draft if plan else 0, step.backend.name, moved_store,
+            plan.part_lse if plan else None, plan.block_m_full if plan else 0, plan.block_m_draft if plan else 0,
+            step.backend.name, moved_store,
         )  # fmt: skip
         if score:
             aside = step.aside

@@ -14,7 +14,7 @@ drafts, in that order). This module turns them into every index the device step 
              key (`sampling.sample_keys`; zeros under greedy decoding)
     singles  write, prob_index, row_base, recent_start     [one-token rows: plain steps, then drafts]
     prefill  write                                         [sampling prefill rows]
-    plan     work [num_work x 8], merge [num_merge x 5]    (Triton backend only)
+    plan     work [num_work x 5], merge [num_merge x 5]    (Triton backend only)
     shifts   shift_index [rows]; token_row, single_row, logits_row    (iterations with speculative rows)
 and, after the fields of the shape, the new page-table entries: flat index, then page.
 
@@ -45,14 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hf_sparsespec.kernels.attention_plan import (
-    MERGE_FIELDS,
-    WORK_FIELDS,
-    PlanCapacity,
-    block_sizes,
-    plan_capacity,
-    plan_work_lists,
-)
+from hf_sparsespec.kernels.attention_plan import PlanCapacity, block_sizes, plan_capacity, plan_work_lists
 from hf_sparsespec.sampling import ACCEPT_NOISE, DRAFT_NOISE, TARGET_NOISE, sample_keys, stream_keys
 from hf_sparsespec.scheduler import RowKind, ScheduledRow
 
@@ -104,7 +97,7 @@ class StepShape:
             ("single_write", s), ("single_prob_index", s), ("single_row_base", s), ("single_recent_start", s),
             ("prefill_write", self.num_prefill_samples),
             ("logits_stream", 2 * n), ("accept_key", 2 * v * k),
-            ("work", plan.num_work * WORK_FIELDS), ("merge", plan.num_merge * MERGE_FIELDS),
+            ("work", plan.num_work * 5), ("merge", plan.num_merge * 5),
             ("shift_index", r if self.shifted else 0), ("token_row", t if self.shifted else 0),
             ("single_row", s if self.shifted else 0), ("logits_row", n if self.shifted else 0),
         ]  # fmt: skip

@@ -40,13 +40,13 @@ def _(key, value, key_pool, value_pool, layer, slot_mapping, backend) -> None:
     return None
 
 
-@torch.library.custom_op("hf_sparsespec::mixed_attention", mutates_args=("part_out", "part_lse", "arrivals"))
+@torch.library.custom_op("hf_sparsespec::mixed_attention", mutates_args=("part_out", "part_lse"))
 def mixed_attention(
     query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, page_table: torch.Tensor,
     query_start: torch.Tensor, context_lens: torch.Tensor, num_full_rows: torch.Tensor, recent_start: torch.Tensor,
     selected: torch.Tensor, layer: int, selection_slot: torch.Tensor, num_selected: torch.Tensor, scale: float,
     work: torch.Tensor | None, merge: torch.Tensor | None, part_out: torch.Tensor | None,
-    part_lse: torch.Tensor | None, arrivals: torch.Tensor | None, block_m_full: int, block_m_draft: int, backend: str,
+    part_lse: torch.Tensor | None, block_m_full: int, block_m_draft: int, backend: str,
     moved_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`num_full_rows`: a one-element tensor (read by the reference backend only); the pools (as
@@ -59,7 +59,7 @@ def mixed_attention(
     else:
         group = query.shape[1] // k_cache.shape[2]
         plan = AttentionPlan(work, merge, part_out.shape[0], block_m_full, block_m_draft, group, k_cache.shape[2],
-                             part_out, part_lse, arrivals)  # fmt: skip
+                             part_out, part_lse)  # fmt: skip
     return _backend(backend, query.device).mixed_attention(
         query, k_cache, v_cache, page_table, query_start, context_lens, full_rows, recent_start,
         selected[layer], selection_slot, num_selected, scale, plan=plan,
@@ -69,8 +69,8 @@ def mixed_attention(
 
 @mixed_attention.register_fake
 def _(query, key_pool, value_pool, page_table, query_start, context_lens, num_full_rows, recent_start, selected, layer,
-      selection_slot, num_selected, scale, work, merge, part_out, part_lse, arrivals, block_m_full, block_m_draft,
-      backend, moved_offsets=None):  # fmt: skip
+      selection_slot, num_selected, scale, work, merge, part_out, part_lse, block_m_full, block_m_draft, backend,
+      moved_offsets=None):  # fmt: skip
     return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 

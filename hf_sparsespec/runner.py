@@ -37,7 +37,7 @@ import torch
 from hf_sparsespec.batch import HostBatch, StepShape, aligned
 from hf_sparsespec.config import DIAGONAL_SELECTIONS, INDUCTION_SELECTIONS, SCORED_SELECTIONS
 from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
-from hf_sparsespec.kernels.attention_plan import MERGE_FIELDS, WORK_FIELDS, AttentionPlan, block_sizes
+from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.ops import ScoringAside, scoring_stream
 from hf_sparsespec.packed_projections import FuseSiblingLinears, call_packed
 from hf_sparsespec.sampling import Distributions, LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
@@ -167,13 +167,11 @@ class ModelRunner:
         self.results = torch.zeros(num_results, dtype=torch.long, device=device)
         self.result_ring = [torch.zeros(num_results, dtype=torch.long, pin_memory=pinned) for _ in range(3)]
         self.ring_index = 0
-        self.part_out = self.part_lse = self.arrivals = None
+        self.part_out = self.part_lse = None
         if backend.needs_plan:
             num_q_heads, head_dim, part_rows = cache.num_kv_heads * group, cache.head_dim, largest.plan.num_part_rows
             self.part_out = torch.empty((part_rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
             self.part_lse = torch.empty((part_rows, num_q_heads), dtype=torch.float32, device=device)
-            # the fused merge's counters (zero between launches: each tile's last piece resets its own)
-            self.arrivals = torch.zeros(largest.plan.num_work * cache.num_kv_heads, dtype=torch.int32, device=device)
         # every layer's verification scores, selected from after the forward in one launch
         self.scores = None
         if self.scores_verify_rows:
@@ -296,7 +294,7 @@ class ModelRunner:
             offsets[name] = (offset, count)
             offset += aligned(count)
         n = shape.num_logits
-        views = {"work": (-1, WORK_FIELDS), "merge": (-1, MERGE_FIELDS), "draft_index": (shape.num_verify_rows, self.k),
+        views = {"work": (-1, 5), "merge": (-1, 5), "draft_index": (shape.num_verify_rows, self.k),
                  "logits_params": (shape.num_params, n), "logits_stream": (n, 2),
                  "accept_key": (shape.num_verify_rows, self.k, 2)}  # fmt: skip
 
@@ -578,7 +576,6 @@ class ModelRunner:
             work=f["work"], merge=f["merge"], num_part_rows=self.part_out.shape[0],
             block_m_full=shape.block_m_full, block_m_draft=block_sizes(1, self.group)[1], group=self.group,
             num_kv_heads=self.cache.num_kv_heads, part_out=self.part_out, part_lse=self.part_lse,
-            arrivals=self.arrivals,
         )  # fmt: skip
 
     def _write_streaming_selection(self, w: dict) -> None:

@@ -24,7 +24,7 @@ from hf_sparsespec.batch import (
 )
 from hf_sparsespec.cache import PageAllocator
 from hf_sparsespec.engine import Engine
-from hf_sparsespec.kernels.attention_plan import WORK_FIELDS, block_sizes
+from hf_sparsespec.kernels.attention_plan import block_sizes
 from hf_sparsespec.results import StopChecker
 from hf_sparsespec.sampling import (
     ACCEPT_NOISE,
@@ -215,10 +215,10 @@ def test_builder_equals_the_per_row_construction(schedule):
         assert shape.padded and shape.num_tokens == shape.num_verify_rows * spec + shape.num_single_rows
     assert shape.num_rows >= n_rows and shape.size == sum(aligned(n) for _, n in shape.fields())
     # the work list covers each (row, key) of the real rows once; padding items are no-ops
-    work = a["work"].reshape(-1, WORK_FIELDS)
+    work = a["work"].reshape(-1, 5)
     assert work.shape[0] == shape.plan.num_work
     covered = {}
-    for row, q_begin, key_begin, key_end, *_ in work[work[:, 0] >= 0].tolist():
+    for row, q_begin, key_begin, key_end, _ in work[work[:, 0] >= 0].tolist():
         covered.setdefault((row, q_begin), []).append((key_begin, key_end))
     for (row_index, q_begin), ranges in covered.items():
         ranges.sort()

@@ -19,11 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_sparsespec.kernels.attention_plan import WORK_FIELDS
-
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-WORK_STRIDE = tl.constexpr(WORK_FIELDS)  # int32 fields of a work item (`attention_plan`)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -192,73 +189,6 @@ def _store_tile(
     if STORE_LSE:
         lse = tl.where(lse_is_inf != 0, float("-inf"), lse)
         tl.store(dst_lse_ptr + row * stride_lse_tok + q_head, lse, mask=m_valid)
-
-
-@triton.jit
-def _merge_tile(
-    part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
-    part_lse_ptr,  # [num_part_rows, num_q_heads] fp32, natural log
-    out_ptr,  # [num_tokens, num_q_heads, head_dim]
-    lse_ptr,  # [num_tokens, num_q_heads] fp32
-    stride_tok,  # out and the partials share these (both allocated contiguous)
-    stride_head,
-    stride_lse_tok,
-    part_base,  # partial row of split 0's first query; split s starts at part_base + s * num_q
-    num_splits,
-    tok0,  # token of the tile's first query
-    num_q,
-    kv_head,
-    lse_is_inf,  # store -inf instead of the LSE (draft tokens)
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """A split tile's final rows from its splits' partials, in split order (the `_merge_splits_kernel`
-    of one tile and KV head, for the program that finished last). The partials were written by other
-    programs of this launch: they are read past L1 (`.cg`), which may hold a previous launch's lines."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_idx = offs_m // GROUP
-    q_head = kv_head * GROUP + offs_m % GROUP
-    m_valid = q_idx < num_q
-    mask = m_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in range(0, num_splits):
-        rows = (part_base + split * num_q + q_idx).to(tl.int64)
-        lse_s = tl.load(part_lse_ptr + rows * stride_lse_tok + q_head, mask=m_valid, other=float("-inf"),
-                        cache_modifier=".cg") * 1.4426950408889634  # fmt: skip
-        o_s = tl.load(part_out_ptr + (rows * stride_tok + q_head * stride_head)[:, None] + offs_d[None, :],
-                      mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m_i, lse_s)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse_s - m_safe)  # 0 for a split that saw no key
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        total = total * alpha + w
-        m_i = m_new
-    total_safe = tl.where(total > 0.0, total, 1.0)
-    lse = tl.where(total > 0.0, (m_i + tl.log2(total_safe)) * 0.6931471805599453, float("-inf"))
-    _store_tile(
-        acc / total_safe[:, None], lse, out_ptr, lse_ptr, stride_tok, stride_head, stride_lse_tok, tok0, num_q,
-        kv_head, lse_is_inf, GROUP, BLOCK_M, BLOCK_D, HEAD_DIM, True,
-    )  # fmt: skip
-
-
-@triton.jit
-def _last_to_arrive(arrivals_ptr, counter, num_splits):
-    """True in the program that finishes a split tile's last piece (for one KV head), which then puts
-    the counter back to 0 for the next launch. The barrier orders every thread's partial stores before
-    the one thread's release (the pattern of CUTLASS's split-K semaphores); the acquire orders the
-    merge's loads after the other pieces' releases."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel", scope="gpu")
-    last = arrived == num_splits - 1
-    if last:
-        tl.atomic_xchg(arrivals_ptr + counter, 0, sem="relaxed", scope="gpu")
-    return last
 
 
 # Splits a merge program reads at once: the partials of a long row (a verification at 8K contexts has

@@ -5,7 +5,7 @@ one program per row (the long row would run alone at the end), and the kernels m
 back to the host every layer. So once per engine step, from host-side lengths, the work is cut into
 items of about equal key counts (vectorised with numpy), and every layer's launch reuses the list.
 
-A work item is `(row, q_begin, key_begin, key_end, part_row, arrival, num_splits, part_base)`:
+A work item is `(row, q_begin, key_begin, key_end, part_row)`:
 - `row` owns queries `query_start[row] + q_begin ...` (a tile of up to `BLOCK_M // group` queries) of
   a full (causal) row, or, when `q_begin = -1`, the single query of a draft row; it attends its key
   indices `[key_begin, key_end)`: for full rows key index = position, for draft rows the selected
@@ -15,10 +15,6 @@ A work item is `(row, q_begin, key_begin, key_end, part_row, arrival, num_splits
   writes fp32 partial rows `part_row + i` (query `i` of the tile), and the merge kernel combines the
   splits of each query: merge entry `(token, first_part_row, split_stride, num_splits, keep_lse)`
   (`keep_lse = 0` for draft tokens, whose LSE is reported as -inf);
-- `arrival, num_splits, part_base` (split items; -1, 1, -1 for whole ones) let the mixed launch merge
-  in place of the merge kernel (`mixed_attention.FUSED_MERGE`): split tile `arrival` has `num_splits`
-  pieces, whose partial rows start at `part_base + piece * num_q`; the last piece of a (tile, KV head)
-  to finish counts itself in `AttentionPlan.arrivals` and merges them;
 - `row = -1` (work) or `num_splits = 0` (merge): padding, a no-op.
 The grid is `(num_work, num_kv_heads)`: every (work item, KV head) pair is one program.
 
@@ -66,9 +62,8 @@ PROGRAMS_PER_SM = 4
 # whose pieces of one key range run side by side (`plan_work_lists`); `_maxtile64` runs of the
 # benchmarks give k = 16's 17-query verifications (102 rows with a group of 6) two 64-row tiles.
 MAX_BLOCK_M = 128
-WORK_FIELDS = 8
+WORK_FIELDS = 5
 MERGE_FIELDS = 5
-PADDING_ITEM = (-1, 0, 0, 0, -1, -1, 1, -1)
 
 
 @dataclass(frozen=True)
@@ -84,7 +79,7 @@ class PlanCapacity:
 class AttentionPlan:
     """Device work lists of one attention launch (see the module docstring)."""
 
-    work: torch.Tensor  # [num_work, 8] int32: row, q_begin, key_begin, key_end, part_row, arrival, num_splits, part_base
+    work: torch.Tensor  # [num_work, 5] int32: row, q_begin, key_begin, key_end, part_row
     merge: torch.Tensor  # [num_merge, 5] int32: token, first part row, split stride, num splits, keep_lse
     num_part_rows: int
     block_m_full: int  # packed (query, head) rows of a full-row tile
@@ -93,9 +88,6 @@ class AttentionPlan:
     num_kv_heads: int
     part_out: torch.Tensor | None = None  # [>= num_part_rows, num_q_heads, head_dim] fp32, or allocated lazily
     part_lse: torch.Tensor | None = None  # [>= num_part_rows, num_q_heads] fp32
-    # [>= num_work * num_kv_heads] int32, zero between launches: the pieces of each (split tile, KV head)
-    # that have finished (`mixed_attention.FUSED_MERGE`), or allocated lazily
-    arrivals: torch.Tensor | None = None
 
     @property
     def num_work(self) -> int:
@@ -113,13 +105,6 @@ class AttentionPlan:
             self.part_out = torch.empty((rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
             self.part_lse = torch.empty((rows, num_q_heads), dtype=torch.float32, device=device)
         return self.part_out, self.part_lse
-
-    def arrival_counts(self, device: torch.device) -> torch.Tensor:
-        """The per-(split tile, KV head) counters of a fused merge, given or allocated (zeroed) once; the
-        last piece of each tile puts its counter back to 0, so every launch finds them zero."""
-        if self.arrivals is None:
-            self.arrivals = torch.zeros(max(self.num_work, 1) * self.num_kv_heads, dtype=torch.int32, device=device)
-        return self.arrivals
 
 
 def num_sms(device: torch.device) -> int:
@@ -167,7 +152,7 @@ def plan_work_lists(
     capacity: PlanCapacity | None = None,
     num_moved: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """`(work [n, 8], merge [m, 5], num_part_rows)` int32 arrays for one batch (host, vectorised).
+    """`(work [n, 5], merge [m, 5], num_part_rows)` int32 arrays for one batch (host, vectorised).
 
     Args: host sequences (lists or arrays) of `num_rows + 1` query offsets and `num_rows` context
     lengths / selected counts / recent starts; rows `[0, num_full_rows)` attend fully and causally, the
@@ -226,8 +211,7 @@ def plan_work_lists(
     split = num_splits > 1
 
     # Whole tiles write out/lse directly.
-    none = np.full_like(row, -1)
-    whole = np.stack([row, q_begin, np.zeros_like(row), num_keys, none, none, np.ones_like(row), none], axis=1)[~split]
+    whole = np.stack([row, q_begin, np.zeros_like(row), num_keys, np.full_like(row, -1)], axis=1)[~split]
     # Split tiles: piece s covers keys [s * size, (s + 1) * size) and writes partial rows.
     s_rows, s_splits, s_num_q = row[split], num_splits[split], num_q[split]
     part_base = np.cumsum(s_splits * s_num_q) - s_splits * s_num_q
@@ -241,9 +225,6 @@ def plan_work_lists(
             piece * s_size,
             np.minimum((piece + 1) * s_size, s_keys),
             part_base[piece_tile] + piece * s_num_q[piece_tile],
-            piece_tile,
-            s_splits[piece_tile],
-            part_base[piece_tile],
         ],
         axis=1,
     )
@@ -272,7 +253,7 @@ def plan_work_lists(
             raise AssertionError(f"plan exceeds its capacity {capacity}: {work.shape[0]} items, {merge.shape[0]} merges")
         if num_part_rows > capacity.num_part_rows:
             raise AssertionError(f"plan exceeds its capacity {capacity}: {num_part_rows} partial rows")
-        work = np.concatenate([work, np.tile([PADDING_ITEM], (capacity.num_work - work.shape[0], 1))])
+        work = np.concatenate([work, np.tile([[-1, 0, 0, 0, -1]], (capacity.num_work - work.shape[0], 1))])
         merge = np.concatenate([merge, np.zeros((capacity.num_merge - merge.shape[0], MERGE_FIELDS), np.int64)])
         num_part_rows = capacity.num_part_rows
     return work.astype(np.int32).reshape(-1, WORK_FIELDS), merge.astype(np.int32).reshape(-1, MERGE_FIELDS), num_part_rows

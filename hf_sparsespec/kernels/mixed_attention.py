@@ -6,10 +6,9 @@ causally (`paged_attention`); every later row is a draft step with one query tha
 
 Triton: ONE launch over the plan's work items `(row, query tile, key split) x KV head`, full and
 draft items mixed, longest first, so the two kinds of rows share the machine instead of running one
-after the other. A program branches on its row kind: full rows use a `block_m_full` tile (e.g. 64 rows
-for 9 queries x 6 heads) and the causal mask, draft rows a 16-row tile over their selected (+ moved,
-`"diagonal"`) + recent keys. Split tiles are merged by the program that finishes a tile's last piece
-(`FUSED_MERGE`, counting arrivals in `AttentionPlan.arrivals`), or by one merge launch after it.
+after the other; then at most one merge launch for the split tiles. A program branches on its row
+kind: full rows use a `block_m_full` tile (e.g. 64 rows for 9 queries x 6 heads) and the causal mask,
+draft rows a 16-row tile over their selected (+ moved, `"diagonal"`) + recent keys.
 """
 
 from __future__ import annotations
@@ -18,15 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_sparsespec.kernels._attention_tile import (
-    LOG2E,
-    WORK_STRIDE,
-    _last_to_arrive,
-    _merge_tile,
-    dot_precision,
-    launch_config,
-    merge_splits,
-)
+from hf_sparsespec.kernels._attention_tile import LOG2E, dot_precision, launch_config, merge_splits
 from hf_sparsespec.kernels._checks import check_cache_pair, check_query_heads, last_dim_contiguous
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, plan_attention
 from hf_sparsespec.kernels.paged_attention import _full_item, check_rows, paged_attention_ref
@@ -36,11 +27,6 @@ from hf_sparsespec.kernels.sparse_attention import (
     moved_key_args,
     sparse_draft_attention_ref,
 )
-
-# 1: a split tile's last piece to finish merges the tile inside the attention launch (one launch a
-# layer); 0: a merge launch after it. Off until a GPU has timed it and run its tests (`_fusedmerge1`
-# runs of the benchmarks).
-FUSED_MERGE = 0
 
 
 def mixed_attention_ref(
@@ -108,13 +94,11 @@ def _mixed_attention_kernel(
     selection_slot_ptr,  # [num_rows] int32
     num_selected_ptr,  # [num_rows] int32
     offsets_ptr,  # [num_slots, num_kv_heads, num_moved] int32 (MOVED)
-    work_ptr,  # [num_work, 8] int32: row (-1 padding), q_begin (-1 draft), key_begin, key_end, part_row,
-    # arrival, num_splits, part_base (`attention_plan`)
+    work_ptr,  # [num_work, 5] int32: row (-1 padding), q_begin (-1 draft), key_begin, key_end, part_row
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     lse_ptr,  # [num_tokens, num_q_heads] fp32
     part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
     part_lse_ptr,  # [num_part_rows, num_q_heads] fp32
-    arrivals_ptr,  # [>= num_work * num_kv_heads] int32, zero at launch (FUSED_MERGE)
     stride_q_tok,
     stride_q_head,
     stride_cache_page,
@@ -141,15 +125,14 @@ def _mixed_attention_kernel(
     INPUT_PRECISION: tl.constexpr,
     MOVED: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    row = tl.load(work_ptr + item * WORK_STRIDE)
-    q_begin = tl.load(work_ptr + item * WORK_STRIDE + 1)
-    key_begin = tl.load(work_ptr + item * WORK_STRIDE + 2)
-    key_end = tl.load(work_ptr + item * WORK_STRIDE + 3)
-    part_row = tl.load(work_ptr + item * WORK_STRIDE + 4)
+    row = tl.load(work_ptr + item * 5)
+    q_begin = tl.load(work_ptr + item * 5 + 1)
+    key_begin = tl.load(work_ptr + item * 5 + 2)
+    key_end = tl.load(work_ptr + item * 5 + 3)
+    part_row = tl.load(work_ptr + item * 5 + 4)
     if row >= 0:  # row -1: a padding item of a fixed grid
         if q_begin >= 0:  # a tile of a full (prefill / verification) row
             _full_item(
@@ -159,17 +142,6 @@ def _mixed_attention_kernel(
                 stride_out_tok, stride_out_head, stride_lse_tok, qk_scale,
                 GROUP, BLOCK_M_FULL, BLOCK_N_FULL, BLOCK_D, HEAD_DIM, PAGE_SIZE, INPUT_PRECISION,
             )  # fmt: skip
-            if FUSED_MERGE and part_row >= 0:
-                counter = tl.load(work_ptr + item * WORK_STRIDE + 5) * tl.num_programs(1) + kv_head
-                num_splits = tl.load(work_ptr + item * WORK_STRIDE + 6)
-                if _last_to_arrive(arrivals_ptr, counter, num_splits):
-                    q0 = tl.load(query_start_ptr + row) + q_begin
-                    num_q = tl.minimum(tl.load(query_start_ptr + row + 1) - q0, BLOCK_M_FULL // GROUP)
-                    _merge_tile(
-                        part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_out_tok, stride_out_head, stride_lse_tok,
-                        tl.load(work_ptr + item * WORK_STRIDE + 7), num_splits, q0, num_q, kv_head, 0,
-                        GROUP, BLOCK_M_FULL, BLOCK_D, HEAD_DIM,
-                    )  # fmt: skip
         else:  # q_begin -1: the query of a draft row
             _draft_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,
@@ -181,15 +153,6 @@ def _mixed_attention_kernel(
                 GROUP, BLOCK_M_DRAFT, BLOCK_N_DRAFT, BLOCK_D, HEAD_DIM, PAGE_SIZE, True, INPUT_PRECISION,
                 MOVED, SEARCH_STEPS,
             )  # fmt: skip
-            if FUSED_MERGE and part_row >= 0:
-                counter = tl.load(work_ptr + item * WORK_STRIDE + 5) * tl.num_programs(1) + kv_head
-                num_splits = tl.load(work_ptr + item * WORK_STRIDE + 6)
-                if _last_to_arrive(arrivals_ptr, counter, num_splits):
-                    _merge_tile(
-                        part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_out_tok, stride_out_head, stride_lse_tok,
-                        tl.load(work_ptr + item * WORK_STRIDE + 7), num_splits, tl.load(query_start_ptr + row), 1,
-                        kv_head, 1, GROUP, BLOCK_M_DRAFT, BLOCK_D, HEAD_DIM,
-                    )  # fmt: skip
 
 
 def mixed_attention(
@@ -246,20 +209,18 @@ def mixed_attention(
     if plan.num_work == 0:
         return out, lse
     part_out, part_lse = plan.workspace(num_q_heads, head_dim, device)
-    arrivals = plan.arrival_counts(device) if FUSED_MERGE else part_lse  # (not read unless fused)
     config = launch_config("mixed", head_dim, query.dtype)
     _mixed_attention_kernel[(plan.num_work, num_kv_heads)](
         query, k_cache, v_cache, page_table, query_start, context_lens, recent_start, selected, selection_slot,
-        num_selected, moved["ptr"], plan.work, out, lse, part_out, part_lse, arrivals,
+        num_selected, moved["ptr"], plan.work, out, lse, part_out, part_lse,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), selected.stride(0), selected.stride(1), moved["stride_slot"], moved["stride_head"],
         moved["num_moved"], out.stride(0), out.stride(1), lse.stride(0), scale * LOG2E,
         GROUP=group, BLOCK_M_FULL=plan.block_m_full, BLOCK_N_FULL=config["BLOCK_N_FULL"],
         BLOCK_M_DRAFT=plan.block_m_draft, BLOCK_N_DRAFT=config["BLOCK_N_DRAFT"], BLOCK_D=triton.next_power_of_2(head_dim),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], INPUT_PRECISION=dot_precision(query.dtype),
-        MOVED=moved["MOVED"], SEARCH_STEPS=moved["SEARCH_STEPS"], FUSED_MERGE=bool(FUSED_MERGE),
+        MOVED=moved["MOVED"], SEARCH_STEPS=moved["SEARCH_STEPS"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    if not FUSED_MERGE:
-        merge_splits(plan, part_out, part_lse, out, lse)
+    merge_splits(plan, part_out, part_lse, out, lse)
     return out, lse

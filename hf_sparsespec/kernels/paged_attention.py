@@ -20,7 +20,6 @@ import triton.language as tl
 
 from hf_sparsespec.kernels._attention_tile import (
     LOG2E,
-    WORK_STRIDE,
     _attend_tile,
     _store_tile,
     dot_precision,
@@ -136,7 +135,7 @@ def _paged_attention_kernel(
     page_table_ptr,  # [num_rows, max_pages] int32
     query_start_ptr,  # [num_rows + 1] int32
     context_lens_ptr,  # [num_rows] int32
-    work_ptr,  # [num_work, 8] int32: row, q_begin, key_begin, key_end, part_row (then the fused merge's fields)
+    work_ptr,  # [num_work, 5] int32: row, q_begin, key_begin, key_end, part_row
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     lse_ptr,  # [num_tokens, num_q_heads] fp32
     part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
@@ -161,11 +160,11 @@ def _paged_attention_kernel(
 ):
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    row = tl.load(work_ptr + item * WORK_STRIDE)
-    q_begin = tl.load(work_ptr + item * WORK_STRIDE + 1)
-    key_begin = tl.load(work_ptr + item * WORK_STRIDE + 2)
-    key_end = tl.load(work_ptr + item * WORK_STRIDE + 3)
-    part_row = tl.load(work_ptr + item * WORK_STRIDE + 4)
+    row = tl.load(work_ptr + item * 5)
+    q_begin = tl.load(work_ptr + item * 5 + 1)
+    key_begin = tl.load(work_ptr + item * 5 + 2)
+    key_end = tl.load(work_ptr + item * 5 + 3)
+    part_row = tl.load(work_ptr + item * 5 + 4)
     if row >= 0:  # row -1: a padding item of a fixed grid
         _full_item(
             q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, query_start_ptr, context_lens_ptr,

@@ -22,7 +22,6 @@ import triton.language as tl
 
 from hf_sparsespec.kernels._attention_tile import (
     LOG2E,
-    WORK_STRIDE,
     _attend_tile,
     _store_tile,
     dot_precision,
@@ -165,7 +164,7 @@ def _sparse_draft_attention_kernel(
     selection_slot_ptr,  # [num_rows] int32
     num_selected_ptr,  # [num_rows] int32
     offsets_ptr,  # [num_slots, num_kv_heads, num_moved] int32 (MOVED)
-    work_ptr,  # [num_work, 8] int32: row, q_begin (0), key_begin, key_end, part_row (then the fused merge's fields)
+    work_ptr,  # [num_work, 5] int32: row, q_begin (0), key_begin, key_end, part_row
     out_ptr,  # [num_rows, num_q_heads, head_dim]
     part_out_ptr,  # [num_part_rows, num_q_heads, head_dim] fp32
     part_lse_ptr,  # [num_part_rows, num_q_heads] fp32
@@ -196,10 +195,10 @@ def _sparse_draft_attention_kernel(
 ):
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    row = tl.load(work_ptr + item * WORK_STRIDE)
-    key_begin = tl.load(work_ptr + item * WORK_STRIDE + 2)
-    key_end = tl.load(work_ptr + item * WORK_STRIDE + 3)
-    part_row = tl.load(work_ptr + item * WORK_STRIDE + 4)
+    row = tl.load(work_ptr + item * 5)
+    key_begin = tl.load(work_ptr + item * 5 + 2)
+    key_end = tl.load(work_ptr + item * 5 + 3)
+    part_row = tl.load(work_ptr + item * 5 + 4)
     if row >= 0:  # row -1: a padding item of a fixed grid
         _draft_item(
             q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, recent_start_ptr, selected_ptr,

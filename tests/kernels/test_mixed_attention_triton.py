@@ -21,10 +21,7 @@ from kernel_cases import (  # noqa: F401
 )
 
 from hf_sparsespec.kernels import attention_plan
-from hf_sparsespec.kernels import mixed_attention as mixed_module
 from hf_sparsespec.kernels.attention_plan import (
-    MERGE_FIELDS,
-    WORK_FIELDS,
     AttentionPlan,
     block_sizes,
     plan_attention,
@@ -137,65 +134,6 @@ def test_verifications_of_k16_in_two_64_row_tiles(device, dtype, monkeypatch):
     assert q_begins == {0, 10}
 
 
-def test_split_items_name_their_tile_and_its_partial_rows():
-    """The fused merge's fields: the pieces of split tile `arrival` number `num_splits`, cover its keys
-    once and write partial rows `part_base + piece * num_q`; whole items carry (-1, 1, -1)."""
-    q_lens = [17, 9, 1, 1, 1]
-    work, merge, num_part_rows = plan_work_lists(
-        query_offsets(q_lens), [800, 300, 700, 90, 40], 2, [0, 0, 60, 20, 0], [0, 0, 600, 60, 30], group=6,
-        block_m_full=64, items=12, min_keys_per_split=64, num_moved=5,
-    )  # fmt: skip
-    assert work.shape[1] == WORK_FIELDS == 8
-    whole, split = work[work[:, 4] < 0], work[work[:, 4] >= 0]
-    assert whole.size and split.size
-    assert (whole[:, 5:] == [-1, 1, -1]).all()
-    rows_written = []
-    for tile in np.unique(split[:, 5]):
-        pieces = split[split[:, 5] == tile]
-        pieces = pieces[np.argsort(pieces[:, 2])]
-        num_splits = int(pieces[0, 6])
-        assert len(pieces) == num_splits > 1 and (pieces[:, 6] == num_splits).all()
-        assert len(set(pieces[:, 7].tolist())) == 1 and len(set(map(tuple, pieces[:, :2].tolist()))) == 1
-        assert pieces[0, 2] == 0 and (pieces[1:, 2] == pieces[:-1, 3]).all()  # the tile's keys, once
-        row, q_begin = pieces[0, :2]
-        num_q = 1 if q_begin < 0 else min(64 // 6, q_lens[row] - q_begin)
-        assert (pieces[:, 4] == pieces[0, 7] + num_q * np.arange(num_splits)).all()
-        rows_written += [r + q for r in pieces[:, 4].tolist() for q in range(num_q)]
-    assert sorted(rows_written) == list(range(num_part_rows))  # every partial row, once
-    assert int(merge[:, 3].sum()) == num_part_rows  # what the merge launch reads instead
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_merge_matches_the_merge_launch(device, dtype, monkeypatch):
-    """Split tiles merged by their last piece inside the launch equal the merge launch's result (and
-    the reference); the arrival counters are back at zero after every launch, so a plan's second layer
-    finds them ready; the merge kernel is not launched."""
-    args, host = _mixed_batch(device, dtype, 16, 3, 32)
-    plan = plan_attention(
-        host.query_start, host.context_lens, host.num_full_rows, host.num_selected, host.recent_start,
-        group=3, num_kv_heads=2, device=device, min_keys_per_split=16, target_programs=24,
-    )  # fmt: skip
-    assert plan.num_merge > 0
-    monkeypatch.setattr(mixed_module, "FUSED_MERGE", 0)
-    separate_out, separate_lse = mixed_attention(*args, plan=plan)
-    assert plan.arrivals is None  # never allocated without the fused merge
-
-    def no_merge_launch(*_):
-        raise AssertionError("the fused merge launched the merge kernel")
-
-    monkeypatch.setattr(mixed_module, "FUSED_MERGE", 1)
-    monkeypatch.setattr(mixed_module, "merge_splits", no_merge_launch)
-    for _layer in range(2):
-        out, lse = mixed_attention(*args, plan=plan)
-        assert plan.arrivals is not None and not plan.arrivals.any()
-        torch.testing.assert_close(out, separate_out, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-3)
-        assert torch.equal(lse.isinf(), separate_lse.isinf())
-        finite = lse.isfinite()
-        torch.testing.assert_close(lse[finite], separate_lse[finite], rtol=1e-5, atol=1e-5)
-    ref_out, _ = mixed_attention_ref(*args)
-    assert_attention_close(out, ref_out, _lowp(args) if dtype != torch.float32 else None, dtype)
-
-
 def test_a_rows_query_tiles_read_each_key_range_side_by_side(monkeypatch):
     """The pieces of a row's query tiles that cover one key range are neighbours in the work list
     (longest first still), so the second tile's keys come from L2. (Without the wide verification floor,
@@ -234,7 +172,7 @@ def test_plain_steps_beside_drafts_in_the_verifications_tile(device):
     )  # fmt: skip
     assert (merge[:, 3] > 1).any()  # split, and merged
     lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)])).to(device)
-    plan = AttentionPlan(lists[: work.size].view(-1, WORK_FIELDS), lists[work.size :].view(-1, MERGE_FIELDS), capacity.num_part_rows,
+    plan = AttentionPlan(lists[: work.size].view(-1, 5), lists[work.size :].view(-1, 5), capacity.num_part_rows,
                          block_m_full, block_sizes(1, group)[1], group, 2)  # fmt: skip
     out, lse = TritonBackend().mixed_attention(*args, plan=plan)
     ref_out, ref_lse = TorchBackend().mixed_attention(*args, plan=None)
@@ -258,7 +196,7 @@ def test_triton_backend_matches_torch_backend(device):
     )  # fmt: skip
     assert (work[:, 0] == -1).any() and (merge[:, 3] == 0).any() and (merge[:, 3] > 1).any()  # padded, and split
     lists = torch.from_numpy(np.concatenate([work.reshape(-1), merge.reshape(-1)])).to(device)
-    plan = AttentionPlan(lists[: work.size].view(-1, WORK_FIELDS), lists[work.size :].view(-1, MERGE_FIELDS), capacity.num_part_rows,
+    plan = AttentionPlan(lists[: work.size].view(-1, 5), lists[work.size :].view(-1, 5), capacity.num_part_rows,
                          block_m_full, block_sizes(1, 3)[1], 3, 2)  # fmt: skip
     for _layer in range(2):  # the second layer reuses the plan's work list and workspace
         out, lse = triton_backend.mixed_attention(*args, plan=plan)
