@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         launch = f"{r['BLOCK_N_FULL']}:{r['BLOCK_N_DRAFT']}:{r['num_warps']}:{r['num_stages']}"
-        print(f"| {r['shape']} | {r['config']} ({launch}) | {r['block_m_full']} | {r['registers']} | {r['stack']} | "
+        label = launch if r["config"] == launch else f"{r['config']} ({launch})"
+        print(f"| {r['shape']} | {label} | {r['block_m_full']} | {r['registers']} | {r['stack']} | "
               f"{r['shared']} | {r['async_copies']} | {r['ctas_per_sm']} ({r['ctas_by_registers']}, {r['ctas_by_shared']}) |")  # fmt: skip
     return rows
 
