@@ -40,7 +40,7 @@ from hf_sparsespec.graph_buckets import Bucket, GraphBuckets
 from hf_sparsespec.kernels.attention_plan import AttentionPlan, block_sizes
 from hf_sparsespec.ops import ScoringAside, scoring_stream
 from hf_sparsespec.packed_projections import FuseSiblingLinears, call_packed
-from hf_sparsespec.sampling import Distributions, LogitsPipeline, LogitsRows, accept_greedy, accept_sampled
+from hf_sparsespec.sampling import Distributions, LogitsPipeline, LogitsRows, accept_greedy
 from hf_sparsespec.step import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -526,24 +526,19 @@ class ModelRunner:
 
     def _accept_sampled(self, target: Distributions, draft_tokens, num_drafts, draft_rows, target_keys,
                         accept_keys) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Rejection sampling of the verifications' drafts (`sampling.accept_sampled`): `target` the
-        verifications' `v * (k + 1)` rows, the drafts' distributions in their store (`draft_rows [v, k]`);
-        the drafted tokens' probabilities and the recovered or bonus tokens read in place."""
+        """Rejection sampling of the verifications' drafts (`sampling.accept_sampled`, in three launches and
+        the two reads of p and q): `target` the verifications' `v * (k + 1)` rows, the drafts' distributions
+        in their store (`draft_rows [v, k]`); the drafted tokens' probabilities, the acceptance tests
+        (`backend.accept_drafts`) and the recovered or bonus tokens read in place."""
         v, spec = draft_tokens.shape[0], self.k + 1
         store = self.draft_store  # a verification has drafts (a cycle of none is a plain step): k > 0
-        verify_rows = torch.arange(v, device=self.device)
-        target_rows = verify_rows[:, None] * spec + torch.arange(self.k, device=self.device)[None, :]
+        target_rows = torch.arange(v * spec, device=self.device).view(v, spec)[:, : self.k]
         p = self.backend.probabilities_at(target.values, target_rows, draft_tokens, target.stats, target.temperature)
         q = self.backend.probabilities_at(store.values, draft_rows, draft_tokens, store.stats, store.temperature)
-        target_keys = target_keys.view(v, spec, 2)
-
-        def sample_residual(rows, store_rows, accepted: torch.Tensor) -> torch.Tensor:
-            return self.backend.keyed_sample_residual(target.values, rows, store.values, store_rows,
-                                                      target_keys[verify_rows, accepted], target.stats, store.stats,
-                                                      target.temperature)  # fmt: skip
-
-        accepted, next_token = accept_sampled(draft_tokens, num_drafts, None, None, self.backend.keyed_uniform(accept_keys),
-                                              draft_rows=draft_rows, sample_residual=sample_residual, drafted=(p, q))  # fmt: skip
+        accepted, rows, store_rows, keys = self.backend.accept_drafts(p, q, accept_keys, num_drafts, draft_rows,
+                                                                      target_keys.view(v, spec, 2))  # fmt: skip
+        next_token = self.backend.keyed_sample_residual(target.values, rows, store.values, store_rows, keys,
+                                                        target.stats, store.stats, target.temperature)  # fmt: skip
         return self._same_on_every_process(torch.stack([accepted, next_token]))
 
     def _match_store_dtype(self, logits: torch.Tensor) -> None:

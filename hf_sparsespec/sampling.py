@@ -387,6 +387,27 @@ def accept_greedy(
     return accepted, next_token
 
 
+def rejection_test(
+    p: torch.Tensor,  # [num_rows, k] float32: the target's probability of each drafted token
+    q: torch.Tensor,  # [num_rows, k] float32: the draft's
+    uniform: torch.Tensor,  # [num_rows, k] float32 in (0, 1)
+    num_drafts: torch.Tensor,  # [num_rows] int
+    draft_rows: torch.Tensor,  # [num_rows, k] int64: each draft's row of the drafts' store
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance tests of speculative sampling: draft `i` passes with probability min(1, p / q)
+    (`uniform * q < p`), and a row accepts its drafts up to the first that fails (at most `num_drafts`).
+    Returns `(accepted [num_rows] int64, store_rows [num_rows] int64)`: the store row of the first
+    rejected draft, whose distribution the recovered token's residual subtracts, or -1 where every
+    draft passed (a bonus token). The backends' `accept_drafts` is this in one launch."""
+    k = p.shape[1]
+    valid = torch.arange(k, device=p.device)[None, :] < num_drafts[:, None]
+    keep = (uniform * q < p) & valid
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(p.shape[0], device=p.device)
+    store_rows = torch.where(accepted < num_drafts, draft_rows[rows, accepted.clamp(max=k - 1)], -1)
+    return accepted, store_rows
+
+
 def accept_sampled(
     draft_tokens: torch.Tensor,  # [num_rows, k] int64
     num_drafts: torch.Tensor,  # [num_rows] int64
@@ -423,7 +444,6 @@ def accept_sampled(
         draft_rows = torch.arange(num_rows * k, device=device).view(num_rows, k)
     else:
         store = draft_probs
-    valid = torch.arange(k, device=device)[None, :] < num_drafts[:, None]
     if drafted is not None:
         p, q = drafted
     else:
@@ -431,15 +451,12 @@ def accept_sampled(
         q = store[draft_rows, draft_tokens]
     if uniform is None:
         uniform = torch.rand(p.shape, device=device, dtype=p.dtype)
-    keep = (uniform * q < p) & valid  # accept with probability min(1, p / q)
-    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    accepted, store_rows = rejection_test(p, q, uniform, num_drafts, draft_rows)
     rows = torch.arange(num_rows, device=device)
-    rejected = accepted < num_drafts
     if sample_residual is not None:
-        store_rows = torch.where(rejected, draft_rows[rows, accepted.clamp(max=k - 1)], -1)
         return accepted, sample_residual(rows * (k + 1) + accepted, store_rows, accepted)
     p_next = target_probs[rows, accepted]  # [num_rows, vocab]
-    q_next = store[draft_rows[rows, accepted.clamp(max=k - 1)]] * rejected[:, None]
+    q_next = store[store_rows.clamp(min=0)] * (store_rows >= 0)[:, None]
     residual = (p_next - q_next).clamp(min=0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_next)
     return accepted, sample(residual, accepted)

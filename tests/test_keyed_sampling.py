@@ -16,6 +16,8 @@ from transformers import GenerationConfig
 import hf_sparsespec
 from hf_sparsespec import SparseSpecConfig
 from hf_sparsespec.kernels.keyed_sample import (
+    accept_drafts,
+    accept_drafts_ref,
     hash32_ref,
     keyed_sample,
     keyed_sample_ref,
@@ -293,6 +295,66 @@ def test_acceptance_with_residual_draws_equals_the_materialised_residual():
                               sample_residual=sample_residual)  # fmt: skip
     assert torch.equal(materialised[0], in_place[0]) and torch.equal(materialised[1], in_place[1])
     assert 0 < (in_place[0] < num_drafts).sum() < n  # rejections and full accepts
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 16])
+@pytest.mark.parametrize("words", [torch.int32, torch.int64])
+def test_accept_drafts_equals_the_reference_and_accept_sampled(k, words, device):
+    """The verifications' acceptance tests in one launch (`accept_drafts`, the engine's): the reference's
+    accepted counts, draw rows, store rows and keys to the bit, over rows of 0 to k drafts, a row whose
+    every draft passes (p = 1), one whose first fails (p = 0), a tie (u * q = p fails), 37 rows (three
+    programs), and int32 keys and counts; and the reference is what `accept_sampled` gives the draw of the
+    recovered or bonus token with the same uniforms."""
+    generator = torch.Generator().manual_seed(k)
+    v = 37
+    p, q = torch.rand(v, k, generator=generator), torch.rand(v, k, generator=generator)
+    accept_keys = torch.from_numpy(sample_keys(4, np.arange(v)[:, None], np.arange(k)[None, :], ACCEPT_NOISE)).view(v, k, 2)
+    uniform = keyed_uniform_ref(accept_keys)
+    p[3], p[4], p[5] = 1.0, 0.0, uniform[5] * q[5]
+    num_drafts = torch.randint(0, k + 1, (v,), generator=generator)
+    num_drafts[3:6], num_drafts[6] = k, 0
+    draft_rows = torch.randperm(v * k + 20, generator=generator)[: v * k].view(v, k)
+    target_keys = torch.from_numpy(sample_keys(4, np.arange(v)[:, None], np.arange(k + 1)[None, :], TARGET_NOISE))
+    target_keys = target_keys.view(v, k + 1, 2)
+    expected = accept_drafts_ref(p, q, accept_keys, num_drafts, draft_rows, target_keys)
+    inputs = (p, q, accept_keys.to(words), num_drafts.to(words), draft_rows, target_keys.to(words))
+    got = accept_drafts(*(x.to(device) for x in inputs))
+    assert [g.dtype for g in got] == [torch.int64] * 4 and got[3].shape == (v, 2)
+    for name, g, e in zip(("accepted", "target_rows", "store_rows", "keys"), got, expected, strict=True):
+        assert torch.equal(g.cpu(), e), name
+    accepted, target_rows, store_rows, keys = expected
+    assert accepted[3] == k and store_rows[3] == -1  # a bonus token: nothing subtracted
+    assert accepted[4] == 0 and store_rows[4] == draft_rows[4, 0]
+    assert accepted[5] == 0 and accepted[6] == 0 and store_rows[6] == -1
+    assert (accepted <= num_drafts).all() and 0 < (accepted < num_drafts).sum() < v
+    assert torch.equal(target_rows, torch.arange(v) * (k + 1) + accepted)
+    assert torch.equal(keys, target_keys[torch.arange(v), accepted])
+    seen = {}
+
+    def sample_residual(rows, residual_store_rows, accepted_drafts):
+        seen.update(rows=rows, store_rows=residual_store_rows)
+        return rows
+
+    reference = accept_sampled(torch.zeros(v, k, dtype=torch.long), num_drafts, None, None, uniform,
+                               draft_rows=draft_rows, sample_residual=sample_residual, drafted=(p, q))  # fmt: skip
+    assert torch.equal(reference[0], accepted) and torch.equal(seen["rows"], target_rows)
+    assert torch.equal(seen["store_rows"], store_rows)
+    empty = accept_drafts(*(x[:0].to(device) for x in inputs))
+    assert [tuple(e.shape) for e in empty] == [(0,), (0,), (0,), (0, 2)]
+
+
+def test_accept_drafts_rejects_inputs_that_do_not_match(device):
+    p = torch.rand(4, 3, device=device)
+    keys, rows = torch.zeros(4, 3, 2, dtype=torch.int64, device=device), torch.zeros(4, 3, dtype=torch.int64, device=device)
+    num_drafts, target_keys = torch.full((4,), 3, device=device), torch.zeros(4, 4, 2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="q: expected shape"):
+        accept_drafts(p, p[:, :2], keys, num_drafts, rows, target_keys)
+    with pytest.raises(ValueError, match="target_keys: expected shape"):
+        accept_drafts(p, p, keys, num_drafts, rows, target_keys[:, :3])
+    with pytest.raises(TypeError, match="p: expected dtype"):
+        accept_drafts(p.half(), p, keys, num_drafts, rows, target_keys)
+    with pytest.raises(ValueError, match="k >= 1"):
+        accept_drafts(p[:, :0], p[:, :0], keys[:, :0], num_drafts, rows[:, :0], target_keys[:, :1])
 
 
 def test_draws_follow_the_probabilities_and_uniforms_are_independent():

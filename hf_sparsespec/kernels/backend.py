@@ -32,6 +32,7 @@ import torch
 
 from hf_sparsespec.kernels.induction_keys import write_induction_keys_ref
 from hf_sparsespec.kernels.keyed_sample import (
+    accept_drafts_ref,
     keyed_sample_ref,
     keyed_sample_residual_ref,
     keyed_uniform_ref,
@@ -85,6 +86,8 @@ class AttentionBackend(Protocol):
                               temperature=1.0) -> torch.Tensor: ...  # fmt: skip
 
     def probabilities_at(self, values, rows, tokens, stats=None, temperature=1.0) -> torch.Tensor: ...
+
+    def accept_drafts(self, p, q, accept_keys, num_drafts, draft_rows, target_keys) -> tuple[torch.Tensor, ...]: ...
 
     def position_keys(self, streams, positions) -> torch.Tensor: ...
 
@@ -162,6 +165,9 @@ class TorchBackend:
 
     def probabilities_at(self, values, rows, tokens, stats=None, temperature=1.0) -> torch.Tensor:
         return probabilities_at_ref(values, rows, tokens, stats, temperature)
+
+    def accept_drafts(self, p, q, accept_keys, num_drafts, draft_rows, target_keys) -> tuple[torch.Tensor, ...]:
+        return accept_drafts_ref(p, q, accept_keys, num_drafts, draft_rows, target_keys)
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys_ref(streams, positions)

@@ -605,3 +605,109 @@ def probabilities_at(
             FROM_LOGITS=stats is not None, STATS_WIDTH=stats.shape[1] if stats is not None else STATS_WIDTHS[0],
         )  # fmt: skip
     return out
+
+
+def accept_drafts_ref(
+    p: torch.Tensor,  # [v, k] float32: the target's probability of each drafted token
+    q: torch.Tensor,  # [v, k] float32: the draft's
+    accept_keys: torch.Tensor,  # [v, k, 2] int32/int64: each acceptance test's key (`keyed_uniform_ref`)
+    num_drafts: torch.Tensor,  # [v] int32/int64
+    draft_rows: torch.Tensor,  # [v, k] int64: each draft's row of the drafts' store
+    target_keys: torch.Tensor,  # [v, k + 1, 2] int32/int64: the key of each verification position's draw
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference (and CPU backend) of `accept_drafts`: `sampling.rejection_test` with the uniforms of
+    `accept_keys`, and what the recovered or bonus token's draw (`keyed_sample_residual`) reads: `(accepted
+    [v], target_rows [v]` (row `r * (k + 1) + accepted` of the verifications' distributions), `store_rows [v]`
+    (-1: nothing to subtract), `keys [v, 2]` (the draw's key, `target_keys[r, accepted]`)), all int64."""
+    from hf_sparsespec.sampling import rejection_test  # the kernels below it in the import order
+
+    v, k = p.shape
+    accepted, store_rows = rejection_test(p, q, keyed_uniform_ref(accept_keys), num_drafts, draft_rows)
+    rows = torch.arange(v, device=p.device)
+    return accepted, rows * (k + 1) + accepted, store_rows, target_keys[rows, accepted].long()
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _accept_drafts_kernel(
+    p_ptr,  # [num_rows, K] fp32
+    q_ptr,  # [num_rows, K] fp32
+    accept_keys_ptr,  # [num_rows, K, 2] int32/int64
+    num_drafts_ptr,  # [num_rows] int32/int64
+    draft_rows_ptr,  # [num_rows, K] int64
+    target_keys_ptr,  # [num_rows, K + 1, 2] int32/int64
+    accepted_ptr,  # [num_rows] int64 (out)
+    target_rows_ptr,  # [num_rows] int64 (out)
+    store_rows_ptr,  # [num_rows] int64 (out)
+    keys_ptr,  # [num_rows, 2] int64 (out)
+    num_rows,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    row_ok = rows < num_rows
+    drafts = tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (drafts < K)[None, :]
+    at = rows[:, None] * K + drafts[None, :]
+    p = tl.load(p_ptr + at, mask=mask, other=0.0)
+    q = tl.load(q_ptr + at, mask=mask, other=0.0)
+    key_hi = tl.load(accept_keys_ptr + at * 2, mask=mask, other=0).to(tl.uint32)
+    key_lo = tl.load(accept_keys_ptr + at * 2 + 1, mask=mask, other=0).to(tl.uint32)
+    uniform = ((_hash32(key_lo ^ _hash32(key_hi)) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # keyed_uniform
+    num_drafts = tl.load(num_drafts_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    keep = (uniform * q < p) & (drafts[None, :] < num_drafts[:, None]) & mask
+    # the first draft that fails (K where all pass): the cumulative product's sum of the reference
+    accepted = tl.minimum(tl.min(tl.where(keep, BLOCK_K, drafts[None, :]), axis=1), K).to(tl.int64)
+    rejected = accepted < num_drafts
+    first_failed = tl.load(draft_rows_ptr + rows * K + tl.minimum(accepted, K - 1), mask=row_ok, other=0)
+    store_row = tl.where(rejected, first_failed.to(tl.int64), -1)
+    target_row = rows * (K + 1) + accepted
+    draw_hi = tl.load(target_keys_ptr + target_row * 2, mask=row_ok, other=0).to(tl.int64)
+    draw_lo = tl.load(target_keys_ptr + target_row * 2 + 1, mask=row_ok, other=0).to(tl.int64)
+    tl.store(accepted_ptr + rows, accepted, mask=row_ok)
+    tl.store(target_rows_ptr + rows, target_row, mask=row_ok)
+    tl.store(store_rows_ptr + rows, store_row, mask=row_ok)
+    tl.store(keys_ptr + rows * 2, draw_hi, mask=row_ok)
+    tl.store(keys_ptr + rows * 2 + 1, draw_lo, mask=row_ok)
+
+
+ACCEPT_ROWS_PER_PROGRAM = 16
+
+
+def accept_drafts(
+    p: torch.Tensor, q: torch.Tensor, accept_keys: torch.Tensor, num_drafts: torch.Tensor, draft_rows: torch.Tensor,
+    target_keys: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Triton `accept_drafts_ref` in one launch (its torch ops are ~16 small kernels an iteration): the
+    verifications' acceptance tests, with their uniforms hashed from `accept_keys` as `keyed_uniform`
+    does, and the rows and key of each recovered or bonus token's draw.
+
+    Args:
+        p, q: `[v, k]` float32, the target's and the draft's probability of each drafted token.
+        accept_keys: `[v, k, 2]` int32/int64 keys of the acceptance tests.
+        num_drafts: `[v]` int32/int64, each row's drafts (<= k).
+        draft_rows: `[v, k]` int32/int64 rows of the drafts' store.
+        target_keys: `[v, k + 1, 2]` int32/int64 keys of the draws at each verification position.
+
+    Returns:
+        `(accepted, target_rows, store_rows, keys)`: `[v]`, `[v]`, `[v]` and `[v, 2]`, int64.
+    """
+    check_tensor("p", p, ndim=2, dtypes=(torch.float32,), device=p.device)
+    v, k = p.shape
+    device = p.device
+    check_tensor("q", q, dtypes=(torch.float32,), device=device, shape=(v, k))
+    check_tensor("accept_keys", accept_keys, dtypes=(torch.int32, torch.int64), device=device, shape=(v, k, 2))
+    check_tensor("num_drafts", num_drafts, dtypes=(torch.int32, torch.int64), device=device, shape=(v,))
+    check_tensor("draft_rows", draft_rows, dtypes=(torch.int32, torch.int64), device=device, shape=(v, k))
+    check_tensor("target_keys", target_keys, dtypes=(torch.int32, torch.int64), device=device, shape=(v, k + 1, 2))
+    if k == 0:
+        raise ValueError("accept_drafts: expected at least one draft a row (k >= 1), got k = 0")
+    accepted, target_rows, store_rows = (torch.empty(v, dtype=torch.int64, device=device) for _ in range(3))
+    keys = torch.empty((v, 2), dtype=torch.int64, device=device)
+    if v:
+        _accept_drafts_kernel[(triton.cdiv(v, ACCEPT_ROWS_PER_PROGRAM),)](
+            p.contiguous(), q.contiguous(), accept_keys.contiguous(), num_drafts.contiguous(), draft_rows.contiguous(),
+            target_keys.contiguous(), accepted, target_rows, store_rows, keys, v, K=k,
+            BLOCK_K=triton.next_power_of_2(k), BLOCK_ROWS=ACCEPT_ROWS_PER_PROGRAM,
+        )  # fmt: skip
+    return accepted, target_rows, store_rows, keys

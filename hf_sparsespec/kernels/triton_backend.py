@@ -15,6 +15,7 @@ import torch
 from hf_sparsespec.kernels.attention_plan import AttentionPlan
 from hf_sparsespec.kernels.induction_keys import write_induction_keys
 from hf_sparsespec.kernels.keyed_sample import (
+    accept_drafts,
     keyed_sample,
     keyed_sample_residual,
     keyed_uniform,
@@ -91,6 +92,9 @@ class TritonBackend:
 
     def probabilities_at(self, values, rows, tokens, stats=None, temperature=1.0) -> torch.Tensor:
         return probabilities_at(values, rows, tokens, stats, temperature)
+
+    def accept_drafts(self, p, q, accept_keys, num_drafts, draft_rows, target_keys) -> tuple[torch.Tensor, ...]:
+        return accept_drafts(p, q, accept_keys, num_drafts, draft_rows, target_keys)
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys(streams, positions)
