@@ -356,7 +356,7 @@ def test_the_op_counter_sees_the_drafting_steps_extra_work(capsys, monkeypatch):
         counts[k] = float(ops) + float(launches)
         assert "3 iterations" in out
     assert 0 < counts[0] < counts[4]
-    assert "_induction_lookup_kernel" in out and "_keyed_uniform_kernel" in out
+    assert "_induction_lookup_kernel" in out and "_accept_drafts_kernel" in out
 
 
 def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tmp_path):

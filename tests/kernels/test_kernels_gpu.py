@@ -166,6 +166,7 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
     import triton
 
     from hf_sparsespec.kernels.keyed_sample import (
+        accept_drafts,
         keyed_sample,
         keyed_sample_residual,
         keyed_uniform,
@@ -211,6 +212,10 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
     def hash_keys(num_rows):
         keyed_uniform(torch.randint(0, 2**30, (num_rows * 9 - 8, 2), device="cuda"))
         position_keys(torch.randint(0, 2**30, (num_rows, 2), device="cuda"), torch.arange(num_rows, device="cuda"))
+        p, q = torch.rand(num_rows, 8, device="cuda"), torch.rand(num_rows, 8, device="cuda")  # the acceptance tests
+        accept_drafts(p, q, torch.randint(0, 2**30, (num_rows, 8, 2), device="cuda"), torch.full((num_rows,), 8, device="cuda"),
+                      torch.arange(num_rows * 8, device="cuda").view(num_rows, 8),
+                      torch.randint(0, 2**30, (num_rows, 9, 2), device="cuda"))  # fmt: skip
 
     score(36)
     sample(36 * 9)  # a few splits a row
@@ -225,6 +230,6 @@ def test_a_shrinking_tail_compiles_no_scoring_sampling_or_key_hashing_kernel_aga
     finally:
         runtime.jit_cache_hook = previous
     kernels = ("_pillar_scores_kernel", "_keyed_uniform_kernel", "_position_keys_kernel", "_fold_splits_kernel",
-               "_keyed_sample_kernel", "_softmax_partials_kernel", "_softmax_write_kernel")  # fmt: skip
+               "_keyed_sample_kernel", "_softmax_partials_kernel", "_softmax_write_kernel", "_accept_drafts_kernel")  # fmt: skip
     again = [name for name in compiled if any(kernel in name for kernel in kernels)]
     assert not again, f"compiled again: {again}"
