@@ -526,10 +526,10 @@ class ModelRunner:
 
     def _accept_sampled(self, target: Distributions, draft_tokens, num_drafts, draft_rows, target_keys,
                         accept_keys) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Rejection sampling of the verifications' drafts (`sampling.accept_sampled`, in three launches and
-        the two reads of p and q): `target` the verifications' `v * (k + 1)` rows, the drafts' distributions
-        in their store (`draft_rows [v, k]`); the drafted tokens' probabilities, the acceptance tests
-        (`backend.accept_drafts`) and the recovered or bonus tokens read in place."""
+        """Rejection sampling of the verifications' drafts (`sampling.accept_sampled`) in four launches: the
+        drafted tokens' p and q, the acceptance tests (`backend.accept_drafts`) and the recovered or bonus
+        tokens' draw, each reading in place. `target` holds the verifications' `v * (k + 1)` rows, the
+        drafts' distributions are in their store (`draft_rows [v, k]`)."""
         v, spec = draft_tokens.shape[0], self.k + 1
         store = self.draft_store  # a verification has drafts (a cycle of none is a plain step): k > 0
         target_rows = torch.arange(v * spec, device=self.device).view(v, spec)[:, : self.k]
