@@ -45,6 +45,7 @@ import triton.language as tl
 
 from hf_sparsespec.kernels._checks import HALF_AND_FLOAT, check_tensor
 from hf_sparsespec.kernels.attention_plan import num_sms
+from hf_sparsespec.sampling import rejection_test
 
 _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
@@ -619,8 +620,6 @@ def accept_drafts_ref(
     `accept_keys`, and what the recovered or bonus token's draw (`keyed_sample_residual`) reads: `(accepted
     [v], target_rows [v]` (row `r * (k + 1) + accepted` of the verifications' distributions), `store_rows [v]`
     (-1: nothing to subtract), `keys [v, 2]` (the draw's key, `target_keys[r, accepted]`)), all int64."""
-    from hf_sparsespec.sampling import rejection_test  # the kernels below it in the import order
-
     v, k = p.shape
     accepted, store_rows = rejection_test(p, q, keyed_uniform_ref(accept_keys), num_drafts, draft_rows)
     rows = torch.arange(v, device=p.device)
