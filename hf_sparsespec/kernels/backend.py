@@ -13,7 +13,7 @@ reference already while scoring), and the sampler's `keyed_sample` (one token pe
 noise), `keyed_sample_residual` (the same from `max(p - q, 0)` of rows read in place: the
 verifications' recovered and bonus tokens; both take probabilities, or logits with their stats),
 `probabilities_at` (the acceptance test's probabilities of the drafted tokens), `position_keys` (each
-draw's key from its stream and position) and `keyed_uniform` (the acceptance tests' uniforms),
+draw's key from its stream and position) and `accept_drafts` (the acceptance tests, their uniforms hashed in),
 `softmax_stats` (each row's maximum and inverse sum of its tempered logits: the sampling distributions,
 read from the logits, when temperature is the only logits processor), `truncation_stats` (the same
 with top-k / top-p, without sorting the vocabulary, plus each row's smallest kept logit),
@@ -35,7 +35,6 @@ from hf_sparsespec.kernels.keyed_sample import (
     accept_drafts_ref,
     keyed_sample_ref,
     keyed_sample_residual_ref,
-    keyed_uniform_ref,
     position_keys_ref,
     probabilities_at_ref,
 )
@@ -90,8 +89,6 @@ class AttentionBackend(Protocol):
     def accept_drafts(self, p, q, accept_keys, num_drafts, draft_rows, target_keys) -> tuple[torch.Tensor, ...]: ...
 
     def position_keys(self, streams, positions) -> torch.Tensor: ...
-
-    def keyed_uniform(self, keys) -> torch.Tensor: ...
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor: ...
 
@@ -171,9 +168,6 @@ class TorchBackend:
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys_ref(streams, positions)
-
-    def keyed_uniform(self, keys) -> torch.Tensor:
-        return keyed_uniform_ref(keys)
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor:
         return tempered_softmax_ref(logits, temperature)

@@ -17,9 +17,9 @@ independent noise; the same key always gives the same token.
 
 Triton: programs walk a row's vocabulary in blocks, keeping the running maximum and its index (the
 first index on ties, as `torch.argmax`); a row's vocabulary is split over several programs when the
-rows alone would not fill the device, and a second launch folds the splits. `position_keys` and
-`keyed_uniform` are the two hashes a step applies to all its rows at once, each one launch (the torch
-references take ~50 small integer kernels each).
+rows alone would not fill the device, and a second launch folds the splits. `position_keys` hashes a
+step's keys in one launch and `accept_drafts` its acceptance tests' uniforms (the torch references take
+~50 small integer kernels each); `keyed_uniform` is those uniforms alone.
 
 Every sampler takes its rows as probabilities, or as logits with each row's stats: `softmax_stats`
 (maximum of logits / T, inverse sum: temperature alone) or `truncation_stats` (top-k / top-p: the
@@ -208,6 +208,14 @@ def _hash32(x):
 
 
 @triton.jit
+def keyed_uniform_of(key_hi, key_lo, index):
+    """u(key, index) of `keyed_uniform_ref` (uint32 words and index): the one expression every kernel that
+    draws or tests with keyed noise uses, so they agree to the bit."""
+    h = _hash32(key_lo ^ _hash32(key_hi ^ index))
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
 def _keyed_sample_kernel(
     probs_ptr,  # [n, vocab] probabilities, or logits (FROM_LOGITS)
     keys_ptr,  # [num_rows, 2] int32 or int64
@@ -270,9 +278,7 @@ def _keyed_sample_kernel(
         p = tl.load(probs_ptr + source * stride_probs_row + index, mask=mask, other=missing).to(tl.float32)
         if FROM_LOGITS:
             p = stats_probability(p, temperature, row_max, inv_sum, threshold, STATS_WIDTH)
-        h = _hash32(key_lo ^ _hash32(key_hi ^ index.to(tl.uint32)))
-        uniform = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        exponential = -tl.log(uniform)
+        exponential = -tl.log(keyed_uniform_of(key_hi, key_lo, index.to(tl.uint32)))
         if RESIDUAL:
             q_ptr = store_ptr + store_row * stride_store_row + index
             q = tl.load(q_ptr, mask=mask & has_draft, other=missing).to(tl.float32)
@@ -359,8 +365,7 @@ def _keyed_uniform_kernel(
     row = offs.to(tl.int64)
     key_hi = tl.load(keys_ptr + row * stride_keys, mask=mask, other=0).to(tl.uint32)
     key_lo = tl.load(keys_ptr + row * stride_keys + 1, mask=mask, other=0).to(tl.uint32)
-    h = _hash32(key_lo ^ _hash32(key_hi))  # index 0
-    tl.store(out_ptr + row, ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0), mask=mask)
+    tl.store(out_ptr + row, keyed_uniform_of(key_hi, key_lo, tl.zeros_like(key_hi)), mask=mask)  # index 0
 
 
 def _rows_of_pairs(name: str, pairs: torch.Tensor) -> torch.Tensor:
@@ -652,7 +657,7 @@ def _accept_drafts_kernel(
     q = tl.load(q_ptr + at, mask=mask, other=0.0)
     key_hi = tl.load(accept_keys_ptr + at * 2, mask=mask, other=0).to(tl.uint32)
     key_lo = tl.load(accept_keys_ptr + at * 2 + 1, mask=mask, other=0).to(tl.uint32)
-    uniform = ((_hash32(key_lo ^ _hash32(key_hi)) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # keyed_uniform
+    uniform = keyed_uniform_of(key_hi, key_lo, tl.zeros_like(key_hi))  # keyed_uniform's (index 0)
     num_drafts = tl.load(num_drafts_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     keep = (uniform * q < p) & (drafts[None, :] < num_drafts[:, None]) & mask
     # the first draft that fails (K where all pass): the cumulative product's sum of the reference

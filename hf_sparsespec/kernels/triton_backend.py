@@ -18,7 +18,6 @@ from hf_sparsespec.kernels.keyed_sample import (
     accept_drafts,
     keyed_sample,
     keyed_sample_residual,
-    keyed_uniform,
     position_keys,
     probabilities_at,
 )
@@ -98,9 +97,6 @@ class TritonBackend:
 
     def position_keys(self, streams, positions) -> torch.Tensor:
         return position_keys(streams, positions)
-
-    def keyed_uniform(self, keys) -> torch.Tensor:
-        return keyed_uniform(keys)
 
     def tempered_softmax(self, logits, temperature) -> torch.Tensor:
         return tempered_softmax(logits, temperature)
