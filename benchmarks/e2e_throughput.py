@@ -46,7 +46,8 @@ the device's copy bandwidth and its FLOPs / the device's bf16 GEMM rate, from th
 790 TFLOP/s, the constants of the runs before 2026-12-05), and the ideal tokens/s (the run's tokens
 over its iterations' ideal times: the most it could decode on that roofline) with its ratio to AR's,
 the bound of the speed-up over AR; the seconds until the first
-graph replay (start-up), and tokens/s while the batch is full (up to the first finish with nobody
+graph replay (start-up), the host's ms per step by part from the first replay on (`HostTimes`: where a
+wall time above the device time goes) with the run's garbage collections, and tokens/s while the batch is full (up to the first finish with nobody
 waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
 accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
 batch full by continuous batching). Each of our runs is warmed once on the same prompts first (48
@@ -384,6 +385,90 @@ class IdealCounter:
         self.add(int(qs[-1]), logits, int(ctx[:n_full].sum()), int(draft_keys.sum()), scored, attended)
 
 
+class HostTimes:
+    """Where the host's time goes in each `Engine.step` of a run, from the engine's own methods wrapped for
+    the run: `schedule`, `build` (the host batch), `launch` (the runner: upload and replay, or the eager
+    step), `wait` (blocked until an earlier iteration's results are on the host) and `commit` (reading
+    them: stop checks, statistics, callbacks). A step whose `wait` is ~0 found its results ready: the GPU
+    had idled for the host (wall time above device time). Milliseconds, one entry per step."""
+
+    PARTS = ("schedule", "build", "launch", "wait", "commit")
+
+    def __init__(self, engine) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.launch_index: list[int] = []  # per step: the iterations launched before it ended
+        self._current: dict[str, float] = {}
+        engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "schedule")
+        engine.builder.build = self._timed(engine.builder.build, "build")
+        engine._read = self._timed(engine._read, "commit")  # minus the wait inside it, at the step's end
+        step = engine.step
+
+        def timed_step():
+            self._current = dict.fromkeys(self.PARTS, 0.0)
+            began = time.perf_counter()
+            step()
+            self._current["commit"] -= self._current["wait"]
+            self._current["step"] = 1000 * (time.perf_counter() - began)
+            self.steps.append(self._current)
+
+        engine.step = timed_step
+
+    def _timed(self, method, part: str):
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._current[part] = self._current.get(part, 0.0) + 1000 * (time.perf_counter() - began)
+
+        return timed
+
+    def timed_pending(self, pending, launch_seconds: float):
+        """The runner's launch time, and `pending.read` timed as this step's wait."""
+        self._current["launch"] = self._current.get("launch", 0.0) + 1000 * launch_seconds
+        pending.read = self._timed(pending.read, "wait")
+        return pending
+
+    def means(self, first_step: int) -> dict[str, float]:
+        """Mean ms per step of each part and of the whole step, from `first_step` on (the steady state;
+        every step when nothing replayed, as on CPU)."""
+        steps = self.steps[first_step:] or self.steps
+        parts = (*self.PARTS, "step")
+        return {part: float(np.mean([s.get(part, 0.0) for s in steps])) if steps else 0.0 for part in parts}
+
+
+@contextlib.contextmanager
+def recording_gc_pauses():
+    """Yields a dict of the garbage collections inside the block: their count per generation and the
+    milliseconds they took (in all and the longest): a collection pauses the host between launches."""
+    pauses = {"collections": [0, 0, 0], "ms": 0.0, "max_ms": 0.0}
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        ms = 1000 * (time.perf_counter() - started[0])
+        pauses["collections"][info["generation"]] += 1
+        pauses["ms"] += ms
+        pauses["max_ms"] = max(pauses["max_ms"], ms)
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def wall_over_gpu_replayed(seconds: float, launch_seconds: list[float], gpu_ms: list[float]) -> float | None:
+    """Wall time over device time from the first replayed iteration's launch to the run's end: the steady
+    state, without the eager prefill iterations before it (None without a replay or device times)."""
+    if not launch_seconds or not gpu_ms or gpu_ms[0] != gpu_ms[0]:  # NaN: no device times (CPU)
+        return None
+    device_seconds = sum(gpu_ms) / 1000
+    return (seconds - launch_seconds[0]) / device_seconds if device_seconds > 0 else None
+
+
 @contextlib.contextmanager
 def recording_triton_compiles(iteration):
     """Yields a list that gets (iteration, seconds, kernel with its argument specialisation) for every
@@ -441,16 +526,20 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         row_counts.append(len(batch.rows))
         contexts.append(sum(row.context_len for row in batch.rows) / max(1, len(batch.rows)))
         replays = engine.runner.counters.graph_replays
+        launched = time.perf_counter()
         pending = original(batch)
-        replayed = engine.runner.counters.graph_replays > replays
-        launches.append((time.perf_counter() - start, replayed, batch.num_real_tokens))
+        launches.append((time.perf_counter() - start, engine.runner.counters.graph_replays > replays,
+                         batch.num_real_tokens))  # fmt: skip
+        host.launch_index.append(len(host.steps))  # the step that launched this iteration
         padded_tokens.append(batch.shape.num_tokens)
-        return pending
+        return host.timed_pending(pending, time.perf_counter() - launched)
 
     engine.runner.run = run
+    host = HostTimes(engine)
     sync(model)
     start = time.perf_counter()
-    with use_attention(model), torch.no_grad(), recording_triton_compiles(lambda: len(row_counts)) as compiles:
+    with (use_attention(model), torch.no_grad(), recording_triton_compiles(lambda: len(row_counts)) as compiles,
+          recording_gc_pauses() as gc_pauses):  # fmt: skip
         engine.run()
     sync(model)
     seconds = time.perf_counter() - start
@@ -462,6 +551,8 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
     decode = slice(len(gpu_ms) // 10, None)  # steady state: past the prefill iterations
     full = full_batch or dict(seconds=seconds, tokens=tokens)
     first_replay = next((i for i, (_, replayed, _) in enumerate(launches) if replayed), len(launches))
+    replayed_launches = [t for t, _, _ in launches[first_replay:]]
+    first_replay_step = host.launch_index[first_replay] if first_replay < len(launches) else len(host.steps)
     return {
         # while the batch is full (before its first request finishes with nobody waiting): without the
         # tail, in which the requests that accept least decode in ever smaller batches
@@ -478,6 +569,9 @@ def run_ours(model, prompts, gen_config, config: SparseSpecConfig, pillar: bool,
         ],
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "iterations": iterations,
         "wall_ms_per_iter": 1000 * seconds / iterations, "gpu_ms_per_iter": float(np.mean(gpu_ms)),
+        "wall_over_gpu_replayed": wall_over_gpu_replayed(seconds, replayed_launches, gpu_ms[first_replay:]),
+        # host ms per step from the first replay on, by part (HostTimes), and the collections of the run
+        "host_ms_per_step": host.means(first_replay_step), "gc": gc_pauses,
         "gpu_ms_per_iter_decode": float(np.mean(gpu_ms[decode])), "ideal_ms_per_iter": 1000 * float(np.mean(ideal.seconds)),
         "ideal_kv_gb_per_iter": float(np.mean(ideal.kv_bytes)) / 1e9, "weight_gb": ideal.weight_bytes / 1e9,
         # the run's tokens over its iterations' ideal times: the bound of its tok/s on this roofline
@@ -646,6 +740,20 @@ def print_tables(report: dict) -> None:
               f"{gpu_over_ideal} | {ideal_rate} | {wall_over_gpu} | {graphs} | {padding} | "
               f"{num(r, 'seconds_to_first_replay', '.1f')} | "
               f"{num(r, 'full_batch_tokens_per_s', '.0f')} |")  # fmt: skip
+
+    host_runs = {run: r for run, r in runs.items() if "host_ms_per_step" in r}
+    if host_runs:  # reports before the field have none
+        print("\n| run | wall / GPU (all / from the first replay) | host ms per step from the first replay: "
+              "schedule | build | launch | wait | commit | step | GC collections (gen 0 / 1 / 2) | GC ms (longest) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for run, r in host_runs.items():
+            h, collected = r["host_ms_per_step"], r["gc"]
+            replayed = r.get("wall_over_gpu_replayed")
+            wall_over_gpu = "-" if "gpu_ms_per_iter" not in r or r["gpu_ms_per_iter"] != r["gpu_ms_per_iter"] else (
+                f"{r['wall_ms_per_iter'] / r['gpu_ms_per_iter']:.2f} / {'-' if replayed is None else f'{replayed:.2f}'}")
+            print(f"| {run} | {wall_over_gpu} | " + " | ".join(f"{h[part]:.2f}" for part in (*HostTimes.PARTS, "step"))
+                  + f" | {' / '.join(map(str, collected['collections']))} | {collected['ms']:.0f} "
+                  f"({collected['max_ms']:.1f}) |")  # fmt: skip
 
     kv_runs = {run: r for run, r in runs.items() if "kv" in r}
     if kv_runs:

@@ -382,6 +382,16 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
         assert all(tokens >= rows for tokens, rows in zip(run["iteration_tokens"], run["iteration_rows"]))
     assert max(t - r for t, r in zip(runs["pillar"]["iteration_tokens"], runs["pillar"]["iteration_rows"])) >= 8
     assert "| padded tokens |" in done.stdout
+    # the host's time per step by part: each part inside the step, the runner's launch the largest on CPU
+    # (it computes the forward there); no replay on CPU, so no steady-state wall / GPU
+    for name, run in runs.items():
+        host = run["host_ms_per_step"]
+        assert all(host[part] >= 0 for part in ("schedule", "build", "launch", "wait", "commit")), name
+        assert host["schedule"] + host["build"] + host["launch"] + host["wait"] + host["commit"] <= host["step"]
+        assert host["launch"] > host["build"], name
+        assert run["wall_over_gpu_replayed"] is None
+        assert len(run["gc"]["collections"]) == 3 and run["gc"]["ms"] >= run["gc"]["max_ms"] >= 0
+    assert "| host ms per step from the first replay: schedule |" in done.stdout
     # the ideal tokens/s: the run's tokens over its iterations' ideal times, and its ratio to AR's in the table
     for name, run in runs.items():
         ideal_seconds = run["iterations"] * run["ideal_ms_per_iter"] / 1000
@@ -399,6 +409,30 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
     assert again.returncode == 0, again.stderr[-2000:]
     tables = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert tables and [line for line in again.stdout.splitlines() if line.startswith("| ")] == tables
+
+
+def test_steady_wall_over_device_time_starts_at_the_first_replay():
+    from e2e_throughput import wall_over_gpu_replayed
+
+    # launched at 2.0 s (the first replay), the run ended at 8.0 s; its iterations from there took 5 s on the device
+    assert wall_over_gpu_replayed(8.0, [2.0, 3.0, 4.5], [2000.0, 1500.0, 1500.0]) == pytest.approx(6.0 / 5.0)
+    assert wall_over_gpu_replayed(8.0, [], []) is None  # nothing replayed
+    assert wall_over_gpu_replayed(8.0, [2.0], [float("nan")]) is None  # no device times (CPU)
+
+
+def test_garbage_collections_inside_the_block_are_counted_by_generation():
+    import gc
+
+    from e2e_throughput import recording_gc_pauses
+
+    with recording_gc_pauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    assert pauses["collections"][0] >= 1 and pauses["collections"][2] >= 1
+    assert pauses["ms"] >= pauses["max_ms"] > 0
+    collections = list(pauses["collections"])
+    gc.collect()  # after the block: not counted, and the callback is gone
+    assert pauses["collections"] == collections
 
 
 def test_each_run_is_compared_with_the_autoregressive_run_of_its_forward():
