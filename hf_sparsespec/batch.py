@@ -244,6 +244,7 @@ class BatchBuilder:
         verify_count = 0
         request_id = np.empty(n_rows, np.int64)
         params = np.zeros((n_rows, self.num_params), np.int64)
+        changed_requests = allocator.changed_requests
         for i, row in enumerate(rows):
             request = row.request
             slot[i], kind[i], first[i], n_tok[i] = request.slot, row.kind, row.first_position, row.num_tokens
@@ -260,7 +261,8 @@ class BatchBuilder:
             if self.num_params:
                 params[i] = request.processor_params
             rid = request.request_id
-            self.page_table.sync(request.slot, allocator.page_table(rid), allocator.take_changed(rid))
+            if rid in changed_requests:  # the others' tables are as last sent
+                self.page_table.sync(request.slot, allocator.page_table(rid), allocator.take_changed(rid))
         is_prefill, is_verify, is_draft = kind == RowKind.PREFILL, kind == RowKind.VERIFY, kind == RowKind.DRAFT
         is_plain = kind == RowKind.PLAIN
         n_p, n_v, n_pl, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_plain.sum()), int(is_draft.sum())

@@ -76,9 +76,13 @@ def test_random_operations_keep_invariants(num_pages, page_size, ops):
             if rid not in model and rid not in parked:  # a parked request's device row stays stale
                 del mirror[rid]
         if op == "sync" and request in model:  # what an iteration sends to the device page table
-            table, first = allocator.page_table(request), allocator.take_changed(request)
-            copy = mirror.setdefault(request, [])
-            copy[first:] = table[first:]
+            table, copy = allocator.page_table(request), mirror.setdefault(request, [])
+            if request in allocator.changed_requests:  # as the batch builder: only these have entries to send
+                first = allocator.take_changed(request)
+                copy[first:] = table[first:]
+                assert request not in allocator.changed_requests
+            else:
+                assert allocator.take_changed(request) == len(table)  # it would send nothing
             assert copy[: len(table)] == table
         for rid, length in model.items():
             assert allocator.length(rid) == length

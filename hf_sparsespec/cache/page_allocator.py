@@ -16,7 +16,8 @@ Invariants (checked by `check_invariants`, property-tested):
   so a request that reserved its worst case never runs out mid-decode;
 - `take_changed(request)` names the first page-table index that changed since the last call (a
   rollback or an offload frees pages that a later growth or restore may replace with others), so a
-  device copy of the tables can be kept current by sending only those entries.
+  device copy of the tables can be kept current by sending only those entries; `changed_requests`
+  holds the requests for which it may name any (every other request's call would name its table's end).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class PageAllocator:
         self._lengths: dict[Hashable, int] = {}
         self._reserved: dict[Hashable, int | None] = {}  # None: no promise (grows while pages are free)
         self._changed: dict[Hashable, int] = {}  # first table index changed since `take_changed`
+        # the requests whose table changed since their last `take_changed` (others have nothing to send)
+        self.changed_requests: set[Hashable] = set()
         self._parked: dict[Hashable, int] = {}  # offloaded request -> positions it holds on the host
         self._in_transit: set[int] = set()  # pages taken from parked requests, not yet released
         self.peak_used_pages = 0  # most pages owned or in transit at once
@@ -115,17 +118,20 @@ class PageAllocator:
         """Grow the request to hold positions `0 .. num_tokens - 1` (never shrinks)."""
         assert request_id not in self._parked, f"request {request_id!r} is offloaded"
         table = self._tables[request_id]
-        needed = self.pages_for(num_tokens)
-        reserved = self._reserved[request_id]
-        if reserved is not None and needed > reserved:
-            raise OutOfPagesError(f"request {request_id!r} needs {needed} pages but reserved {reserved}")
-        grow = needed - len(table)
-        if grow > len(self._free):
-            raise OutOfPagesError(f"request {request_id!r} needs {grow} more pages, {len(self._free)} are free")
-        for _ in range(grow):
-            table.append(self._free.pop())
-        self._lengths[request_id] = max(self._lengths[request_id], num_tokens)
-        self.peak_used_pages = max(self.peak_used_pages, self.num_used_pages)
+        if num_tokens > len(table) * self.page_size:  # grows (most calls fit the pages they hold)
+            needed = self.pages_for(num_tokens)
+            reserved = self._reserved[request_id]
+            if reserved is not None and needed > reserved:
+                raise OutOfPagesError(f"request {request_id!r} needs {needed} pages but reserved {reserved}")
+            grow = needed - len(table)
+            if grow > len(self._free):
+                raise OutOfPagesError(f"request {request_id!r} needs {grow} more pages, {len(self._free)} are free")
+            for _ in range(grow):
+                table.append(self._free.pop())
+            self.changed_requests.add(request_id)
+            self.peak_used_pages = max(self.peak_used_pages, self.num_used_pages)
+        if num_tokens > self._lengths[request_id]:
+            self._lengths[request_id] = num_tokens
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
         """Roll the request back to positions `0 .. num_tokens - 1`, freeing the pages past them (a
@@ -137,6 +143,7 @@ class PageAllocator:
         keep = self.pages_for(num_tokens)
         if len(table) > keep:
             self._changed[request_id] = min(self._changed[request_id], keep)
+            self.changed_requests.add(request_id)
         while len(table) > keep:
             self._free.append(table.pop())
         self._lengths[request_id] = min(self._lengths[request_id], num_tokens)
@@ -149,6 +156,7 @@ class PageAllocator:
         del self._lengths[request_id]
         del self._reserved[request_id]
         del self._changed[request_id]
+        self.changed_requests.discard(request_id)
         self._parked.pop(request_id, None)
 
     # --- offload (host tier) -------------------------------------------------------------------
@@ -161,6 +169,7 @@ class PageAllocator:
         self._tables[request_id] = []
         self._lengths[request_id] = 0
         self._changed[request_id] = 0
+        self.changed_requests.add(request_id)
         self._in_transit.update(pages)
         return pages
 
@@ -186,6 +195,7 @@ class PageAllocator:
         call (entries before it are unchanged); the next call starts from the table's current end."""
         first = min(self._changed[request_id], len(self._tables[request_id]))
         self._changed[request_id] = len(self._tables[request_id])
+        self.changed_requests.discard(request_id)
         return first
 
     def check_invariants(self) -> None:
