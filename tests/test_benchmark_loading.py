@@ -4,6 +4,7 @@ benchmarks' run names."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -409,6 +410,26 @@ def test_the_end_to_end_script_records_each_iterations_real_and_padded_tokens(tm
     assert again.returncode == 0, again.stderr[-2000:]
     tables = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert tables and [line for line in again.stdout.splitlines() if line.startswith("| ")] == tables
+
+
+def test_the_host_step_benchmark_times_each_part_of_a_decode_step(capsys, monkeypatch):
+    """host_step.py: the engine's host work alone (the device step skipped after the prefill, every
+    verification accepting all its drafts), each part inside its step, one table row per run."""
+    import host_step
+
+    args = argparse.Namespace(batch=6, k=4, steps=12, warm_steps=10, repeats=2)
+    model, _ = host_step.random_model("tiny", torch.float32, "cpu")
+    for run in ("ar", "induction_diagonal"):
+        repeats = host_step.time_host_steps(model, run, args)
+        assert len(repeats) == 2
+        for host in repeats:
+            parts = host["schedule"] + host["build"] + host["launch"] + host["wait"] + host["commit"]
+            assert min(host["schedule"], host["build"], host["launch"], host["commit"]) > 0, run
+            assert parts <= host["step"], run
+    monkeypatch.setattr(sys, "argv", ["host_step.py", "--batch", "4", "--steps", "5", "--repeats", "1"])
+    host_step.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| run", "| ar", "| induction_diagonal"]
 
 
 def test_steady_wall_over_device_time_starts_at_the_first_replay():
