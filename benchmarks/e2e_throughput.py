@@ -47,8 +47,8 @@ the device's copy bandwidth and its FLOPs / the device's bf16 GEMM rate, from th
 over its iterations' ideal times: the most it could decode on that roofline) with its ratio to AR's,
 the bound of the speed-up over AR; the seconds until the first
 graph replay (start-up), the host's ms per step by part from the first replay on (`HostTimes`: where a
-wall time above the device time goes) with the run's garbage collections, and tokens/s while the batch is full (up to the first finish with nobody
-waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
+wall time above the device time goes) with the run's garbage collections, and tokens/s while the batch
+is full (up to the first finish with nobody waiting: with forced lengths SparseSpec's requests finish at different iterations, and the ones that
 accept least decode the tail in ever smaller batches; `--requests` more than `--batch` keeps the
 batch full by continuous batching). Each of our runs is warmed once on the same prompts first (48
 tokens; with `_from<n>` one drafting and one crossing warm-up, `warm_configs`; `--no-warm` times them
@@ -748,9 +748,11 @@ def print_tables(report: dict) -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for run, r in host_runs.items():
             h, collected = r["host_ms_per_step"], r["gc"]
-            replayed = r.get("wall_over_gpu_replayed")
-            wall_over_gpu = "-" if "gpu_ms_per_iter" not in r or r["gpu_ms_per_iter"] != r["gpu_ms_per_iter"] else (
-                f"{r['wall_ms_per_iter'] / r['gpu_ms_per_iter']:.2f} / {'-' if replayed is None else f'{replayed:.2f}'}")
+            replayed, gpu = r.get("wall_over_gpu_replayed"), r.get("gpu_ms_per_iter", float("nan"))
+            wall_over_gpu = "-"
+            if gpu == gpu:  # NaN: no device times (CPU)
+                steady = "-" if replayed is None else f"{replayed:.2f}"
+                wall_over_gpu = f"{r['wall_ms_per_iter'] / gpu:.2f} / {steady}"
             print(f"| {run} | {wall_over_gpu} | " + " | ".join(f"{h[part]:.2f}" for part in (*HostTimes.PARTS, "step"))
                   + f" | {' / '.join(map(str, collected['collections']))} | {collected['ms']:.0f} "
                   f"({collected['max_ms']:.1f}) |")  # fmt: skip
