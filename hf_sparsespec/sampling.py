@@ -416,8 +416,6 @@ def accept_sampled(
     uniform: torch.Tensor | None = None,  # [num_rows, k] float32 in (0, 1); None: torch.rand
     sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     draft_rows: torch.Tensor | None = None,  # [num_rows, k] int64 rows of a store `draft_probs [N, vocab]`
-    sample_residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    drafted: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_rows, k] float32 each: p and q of the drafts
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling: `(accepted [num_rows], next_token [num_rows])`; the committed
     tokens are `draft_tokens[:accepted]` then `next_token`, distributed exactly as target sampling.
@@ -426,13 +424,9 @@ def accept_sampled(
     draws the recovered or bonus token (at draft index `accepted`); by default both come from torch's
     generator (`sample_from`). With `draft_rows`, the draft distributions are read where they are
     kept (the engine's store): only the drafted tokens' probabilities and the one row each
-    rejection needs, not a copy of every row. `sample_residual(target_rows, store_rows, accepted)`
-    instead of `sample`: draws that token itself from `max(p - q, 0)` (`keyed_sample_residual`), p the
-    row `target_rows[r]` of `target_probs` viewed `[num_rows * (k + 1), vocab]`, q the store's row
-    `store_rows[r]` (-1 for a bonus token: nothing subtracted), so no residual row is materialised.
-    `drafted`: the target and draft probabilities of every drafted token, read by the caller (the
-    engine reads them from logits, `backend.probabilities_at`); with `sample_residual` too, neither
-    `target_probs` nor `draft_probs` is read (None)."""
+    rejection needs, not a copy of every row. This is the torch reference of the engine's acceptance,
+    which runs `rejection_test` in one launch (`backend.accept_drafts`) and draws the recovered or bonus
+    token from `max(p - q, 0)` read in place (`backend.keyed_sample_residual`)."""
     num_rows, k = draft_tokens.shape
     device = draft_tokens.device
     sample = sample if sample is not None else (lambda probs, accepted: sample_from(probs))
@@ -444,17 +438,12 @@ def accept_sampled(
         draft_rows = torch.arange(num_rows * k, device=device).view(num_rows, k)
     else:
         store = draft_probs
-    if drafted is not None:
-        p, q = drafted
-    else:
-        p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
-        q = store[draft_rows, draft_tokens]
+    p = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)
+    q = store[draft_rows, draft_tokens]
     if uniform is None:
         uniform = torch.rand(p.shape, device=device, dtype=p.dtype)
     accepted, store_rows = rejection_test(p, q, uniform, num_drafts, draft_rows)
     rows = torch.arange(num_rows, device=device)
-    if sample_residual is not None:
-        return accepted, sample_residual(rows * (k + 1) + accepted, store_rows, accepted)
     p_next = target_probs[rows, accepted]  # [num_rows, vocab]
     q_next = store[store_rows.clamp(min=0)] * (store_rows >= 0)[:, None]
     residual = (p_next - q_next).clamp(min=0)

@@ -46,6 +46,7 @@ from hf_sparsespec.sampling import (
     TARGET_NOISE,
     accept_sampled,
     position_keys,
+    rejection_test,
     sample_keys,
     stream_keys,
 )
@@ -269,8 +270,9 @@ def test_draws_from_logits_reject_inputs_that_do_not_match(device):
 
 
 def test_acceptance_with_residual_draws_equals_the_materialised_residual():
-    """The engine's acceptance (`sample_residual`: target and store rows by index) commits what sampling
-    the materialised residual rows commits, with the same keys, over rejections and full accepts."""
+    """The engine's acceptance (`accept_drafts` on the drafted tokens' p and q, then `keyed_sample_residual`
+    reading target and store rows by index) commits what `accept_sampled`, sampling the materialised
+    residual rows, commits with the same keys, over rejections and full accepts."""
     generator = torch.Generator().manual_seed(2)
     n, k, vocab = 24, 4, 50
     target = torch.rand(n, k + 1, vocab, generator=generator).pow(4).softmax(-1)
@@ -278,7 +280,8 @@ def test_acceptance_with_residual_draws_equals_the_materialised_residual():
     draft_rows = torch.randperm(120, generator=generator)[: n * k].view(n, k)
     drafts = torch.multinomial(store[draft_rows.flatten()], 1, generator=generator).view(n, k)
     num_drafts = torch.randint(0, k + 1, (n,), generator=generator)
-    uniform = torch.rand(n, k, generator=generator)
+    accept_keys = torch.from_numpy(sample_keys(9, np.arange(n)[:, None], np.arange(k)[None, :], ACCEPT_NOISE))
+    accept_keys = accept_keys.view(n, k, 2)
     keys = sample_keys(9, np.arange(n)[:, None], np.arange(k + 1)[None, :], TARGET_NOISE)
     target_keys = torch.from_numpy(keys).view(n, k + 1, 2)
     rows = torch.arange(n)
@@ -286,13 +289,14 @@ def test_acceptance_with_residual_draws_equals_the_materialised_residual():
     def sample(residual, accepted):
         return keyed_sample_ref(residual, target_keys[rows, accepted])
 
-    def sample_residual(target_rows, store_rows, accepted):
-        return keyed_sample_residual_ref(target.view(n * (k + 1), vocab), target_rows, store, store_rows,
-                                         target_keys[rows, accepted])  # fmt: skip
-
+    uniform = keyed_uniform_ref(accept_keys)
     materialised = accept_sampled(drafts, num_drafts, target, store, uniform, sample, draft_rows=draft_rows)
-    in_place = accept_sampled(drafts, num_drafts, target, store, uniform, draft_rows=draft_rows,
-                              sample_residual=sample_residual)  # fmt: skip
+    p = target[:, :k].gather(2, drafts[..., None]).squeeze(2)
+    q = store[draft_rows, drafts]
+    accepted, target_rows, store_rows, draw_keys = accept_drafts_ref(p, q, accept_keys, num_drafts, draft_rows,
+                                                                     target_keys)  # fmt: skip
+    in_place = accepted, keyed_sample_residual_ref(target.view(n * (k + 1), vocab), target_rows, store, store_rows,
+                                                   draw_keys)  # fmt: skip
     assert torch.equal(materialised[0], in_place[0]) and torch.equal(materialised[1], in_place[1])
     assert 0 < (in_place[0] < num_drafts).sum() < n  # rejections and full accepts
 
@@ -303,8 +307,8 @@ def test_accept_drafts_equals_the_reference_and_accept_sampled(k, words, device)
     """The verifications' acceptance tests in one launch (`accept_drafts`, the engine's): the reference's
     accepted counts, draw rows, store rows and keys to the bit, over rows of 0 to k drafts, a row whose
     every draft passes (p = 1), one whose first fails (p = 0), a tie (u * q = p fails), 37 rows (three
-    programs), and int32 keys and counts; and the reference is what `accept_sampled` gives the draw of the
-    recovered or bonus token with the same uniforms."""
+    programs), and int32 keys and counts; and the reference is `rejection_test` (what `accept_sampled`
+    runs) with the same uniforms."""
     generator = torch.Generator().manual_seed(k)
     v = 37
     p, q = torch.rand(v, k, generator=generator), torch.rand(v, k, generator=generator)
@@ -329,16 +333,8 @@ def test_accept_drafts_equals_the_reference_and_accept_sampled(k, words, device)
     assert (accepted <= num_drafts).all() and 0 < (accepted < num_drafts).sum() < v
     assert torch.equal(target_rows, torch.arange(v) * (k + 1) + accepted)
     assert torch.equal(keys, target_keys[torch.arange(v), accepted])
-    seen = {}
-
-    def sample_residual(rows, residual_store_rows, accepted_drafts):
-        seen.update(rows=rows, store_rows=residual_store_rows)
-        return rows
-
-    reference = accept_sampled(torch.zeros(v, k, dtype=torch.long), num_drafts, None, None, uniform,
-                               draft_rows=draft_rows, sample_residual=sample_residual, drafted=(p, q))  # fmt: skip
-    assert torch.equal(reference[0], accepted) and torch.equal(seen["rows"], target_rows)
-    assert torch.equal(seen["store_rows"], store_rows)
+    reference = rejection_test(p, q, uniform, num_drafts, draft_rows)
+    assert torch.equal(reference[0], accepted) and torch.equal(reference[1], store_rows)
     empty = accept_drafts(*(x[:0].to(device) for x in inputs))
     assert [tuple(e.shape) for e in empty] == [(0,), (0,), (0,), (0, 2)]
 
