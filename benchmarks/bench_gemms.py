@@ -10,6 +10,13 @@ per layer, so the table's "forward" row sums them x layers plus the LM head once
     python benchmarks/bench_gemms.py --model qwen2.5-1.5b --tokens 64,120,136,256,480,492,510,512,580
     python benchmarks/bench_gemms.py --tokens 56:168:8,240:656:16      # ranges start:stop:step (stop excluded)
     python benchmarks/bench_gemms.py --autotune --mlp --tokens 64,136,496   # and inductor's autotuned choices
+    python benchmarks/bench_gemms.py --blas cublas,cublaslt --chain --tokens 64,120,136,496   # both libraries, chained
+
+`--blas` times each projection under each of torch's CUDA BLAS libraries (`preferred_blas_library`:
+`cublas`, torch's default, or `cublaslt`, whose heuristics may pick other kernels for skinny GEMMs).
+`--chain` also times the forward's GEMMs back to back as one CUDA graph (every layer's own weights, as a
+decode iteration replays them), where one launch's ramp may hide behind the last one's tail: the
+isolated timings (each after an L2 flush) add up to more than a forward pays when that happens.
 
 Prints a table last; writes JSON to `--out` (a folder) when given.
 """
@@ -52,6 +59,48 @@ def measure(tokens: int, features_in: int, weight_shapes: list[tuple[int, int]],
     return do_bench(step, warmup=25, rep=200, return_mode="median")
 
 
+def chain_ms(tokens: int, model: str, replays: int = 20) -> float:
+    """Median ms of one CUDA-graph replay of the forward's GEMMs back to back: per layer the packed q/k/v,
+    o, packed gate/up and down with that layer's own weights (no layer's weights fit the L2 next to the
+    others'), then the LM head. Inputs are fixed (no layer feeds the next): only the GEMMs are timed."""
+    hidden, q, kv, inter, vocab, layers = SHAPES[model]
+
+    def randn(*shape):
+        return torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.02
+
+    weights = [(randn(q + 2 * kv, hidden), randn(hidden, q), randn(2 * inter, hidden), randn(hidden, inter))
+               for _ in range(layers)]  # fmt: skip
+    head, x, attended, activated = randn(vocab, hidden), randn(tokens, hidden), randn(tokens, q), randn(tokens, inter)
+
+    def forward():
+        for qkv, o, gate_up, down in weights:
+            torch.nn.functional.linear(x, qkv)
+            torch.nn.functional.linear(attended, o)
+            torch.nn.functional.linear(x, gate_up)
+            torch.nn.functional.linear(activated, down)
+        torch.nn.functional.linear(x, head)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def autotuned_linear():
     """`linear` compiled by inductor with GEMM autotuning (its Triton templates against cuBLAS, per shape)."""
     torch._dynamo.config.cache_size_limit = 1024
@@ -88,7 +137,13 @@ def main() -> None:
     parser.add_argument("--mlp", action="store_true",
                         help="also time the MLP block (gate/up, SiLU x up, down) compiled by inductor, default and "
                         "max-autotune (where a Triton template wins, the SiLU product can fuse into its epilogue)")
+    parser.add_argument("--blas", default="cublas",
+                        help="comma list of torch's CUDA BLAS libraries to time each GEMM under: cublas, cublaslt")
+    parser.add_argument("--chain", action="store_true",
+                        help="also time the forward's GEMMs back to back in one CUDA graph (per library)")
     args = parser.parse_args()
+    libraries = args.blas.split(",")
+    default_library = torch.backends.cuda.preferred_blas_library()
     tuned = autotuned_linear() if args.autotune else None
     blocks = {}
     if args.mlp:
@@ -104,9 +159,12 @@ def main() -> None:
         rows.append(row)
         print(f"# {row['tokens']} tokens, {row['projection']}: {row['ms']:.4f} ms", flush=True)
 
-    for tokens in counts:
+    for tokens, library in ((tokens, library) for tokens in counts for library in libraries):
+        torch.backends.cuda.preferred_blas_library(library)
+        tag = f", {library}" if len(libraries) > 1 else ""
         forward_ms = forward_ideal = 0.0
         for projection, fan_in, fan_out, times in projections(args.model):
+            projection += tag
             ms = measure(tokens, fan_in, [(fan_out, fan_in)])
             flops = 2 * tokens * fan_in * fan_out
             moved = 2 * (fan_in * fan_out + tokens * (fan_in + fan_out))
@@ -127,8 +185,13 @@ def main() -> None:
             ideal = max(moved / args.bandwidth, flops / args.flops) * 1e3
             progress({"tokens": tokens, "projection": label, "ms": ms, "tflops": flops / ms / 1e9,
                       "gbps": moved / ms / 1e6, "ideal_ms": ideal, "times": layers})  # fmt: skip
-        rows.append({"tokens": tokens, "projection": "forward", "ms": forward_ms, "tflops": None, "gbps": None,
+        rows.append({"tokens": tokens, "projection": f"forward{tag}", "ms": forward_ms, "tflops": None, "gbps": None,
                      "ideal_ms": forward_ideal, "times": 1})  # fmt: skip
+        if args.chain:
+            progress({"tokens": tokens, "projection": f"forward chained (one graph){tag}",
+                      "ms": chain_ms(tokens, args.model), "tflops": None, "gbps": None, "ideal_ms": forward_ideal,
+                      "times": 1})  # fmt: skip
+    torch.backends.cuda.preferred_blas_library(default_library)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model}

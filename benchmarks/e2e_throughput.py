@@ -78,6 +78,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -202,7 +203,9 @@ MODULE_SUFFIXES = (
     ("_mergeblock", _attention_tile, "MERGE_SPLIT_BLOCK"),  # splits a merge program reads at once (1: one by one)
     ("_maxtile", attention_plan, "MAX_BLOCK_M"),  # the largest query tile of full rows (64: k = 16 in two)
     ("_topkchunk", tempered_softmax, "TOPK_CHUNK"),  # top-k's candidates through chunks' maxima (0: one topk, as before)
+    ("_cublaslt", sys.modules[__name__], "PREFER_CUBLASLT"),  # 1: torch's GEMMs through cuBLASLt (`run_settings`)
 )
+PREFER_CUBLASLT = 0  # set for a run by `_cublaslt1`: `torch.backends.cuda.preferred_blas_library("cublaslt")`
 # Settings read when the forward compiles: dynamo keeps one cache per code object and does not guard on
 # them, so a run whose compile settings differ from the previous run's compiles from scratch.
 COMPILE_SETTINGS = ("AUTOTUNE_GEMMS", "INDUCTOR_PDL")
@@ -233,10 +236,14 @@ def run_settings(run: str):
         _compiled_with[0] = compiled_with
     for module, name, value in settings:
         setattr(module, name, value)
+    library = torch.backends.cuda.preferred_blas_library()
     try:
+        if any(name == "PREFER_CUBLASLT" and value for _, name, value in settings):
+            torch.backends.cuda.preferred_blas_library("cublaslt")  # read per GEMM call: graphs captured keep it
         with unfused_sampling(run.endswith("_unfused")):
             yield
     finally:
+        torch.backends.cuda.preferred_blas_library(library)
         for module, name, value in saved:
             setattr(module, name, value)
 

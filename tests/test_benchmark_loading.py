@@ -232,6 +232,25 @@ def test_the_topk_chunk_suffix_sets_the_chunks_for_its_run_only():
     assert run_fields("induction_diagonal_compiled_topkchunk0", None) == run_fields("induction_diagonal_compiled", None)
 
 
+def test_the_cublaslt_suffix_prefers_cublaslt_for_its_run_only():
+    import e2e_throughput
+    from e2e_throughput import run_fields, run_settings, split_module_settings
+
+    run, settings = split_module_settings("induction_diagonal_compiled_cublaslt1")
+    assert run == "induction_diagonal_compiled" and [(n, v) for _, n, v in settings] == [("PREFER_CUBLASLT", 1)]
+    assert run_fields("induction_diagonal_compiled_cublaslt1", None) == run_fields("induction_diagonal_compiled", None)
+    before = torch.backends.cuda.preferred_blas_library()
+    with run_settings("induction_diagonal_compiled"):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    if torch.backends.cuda.is_built():
+        with run_settings("induction_diagonal_compiled_cublaslt1"):
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    else:  # a CPU build of torch has no cuBLASLt: torch says so, and nothing stays changed
+        with pytest.raises(RuntimeError, match="cuBLASLt"), run_settings("induction_diagonal_compiled_cublaslt1"):
+            pass
+    assert torch.backends.cuda.preferred_blas_library() == before and e2e_throughput.PREFER_CUBLASLT == 0
+
+
 def test_scoring_suffixes_set_the_scoring_grid_and_chunks_for_their_run_only():
     from e2e_throughput import run_settings
 
