@@ -226,12 +226,11 @@ class BatchBuilder:
         the runner's `bucket`, which picks a captured graph)."""
         k, spec, width, dummy = self.k, self.k + 1, self.width, self.num_slots
         n_rows = len(rows)
-        # --- per row (the one Python loop) ---
-        slot = np.empty(n_rows, np.int64)
-        kind = np.empty(n_rows, np.int64)
-        first = np.empty(n_rows, np.int64)
-        n_tok = np.empty(n_rows, np.int64)
-        offset = np.empty(n_rows, np.int64)
+        # --- per row: the fields every row has, then those of drafts and verifications (Python loops) ---
+        common = np.array([(row.request.slot, row.kind, row.first_position, row.num_tokens, row.request.history_offset,
+                            row.samples, row.request.request_id) for row in rows], np.int64).reshape(n_rows, 7)  # fmt: skip
+        slot, kind, first, n_tok, offset, samples, request_id = common.T
+        samples = samples.astype(bool)
         recent = np.zeros(n_rows, np.int64)
         n_sel = np.zeros(n_rows, np.int64)
         budget = np.zeros(n_rows, np.int64)
@@ -240,29 +239,29 @@ class BatchBuilder:
         draft_step = np.zeros(n_rows, np.int64)
         shift_index = np.full(n_rows, -1, np.int64)
         max_shift = np.zeros(n_rows, np.int64)
-        samples = np.zeros(n_rows, bool)
         verify_count = 0
-        request_id = np.empty(n_rows, np.int64)
         params = np.zeros((n_rows, self.num_params), np.int64)
+        if k:
+            drafts = [(i, row) for i, row in enumerate(rows) if row.kind is RowKind.DRAFT or row.kind is RowKind.VERIFY]
+            for i, row in drafts:
+                request = row.request
+                if row.speculative:  # drafts from the window and selection of the verification in flight
+                    recent[i], n_sel[i], draft_step[i] = request.pending_recent_start, request.pending_budget, 1
+                    shift_index[i], max_shift[i] = request.verify_result_index * (k + 2), row.max_shift
+                elif row.kind is RowKind.DRAFT:
+                    recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
+                else:
+                    budget[i], refreshes[i], selectable[i] = row.budget, row.refreshes, row.selectable_keys
+                    request.verify_result_index = verify_count
+                    verify_count += 1
+        if self.num_params:
+            params[:] = [row.request.processor_params for row in rows]
         changed_requests = allocator.changed_requests
-        for i, row in enumerate(rows):
-            request = row.request
-            slot[i], kind[i], first[i], n_tok[i] = request.slot, row.kind, row.first_position, row.num_tokens
-            offset[i], samples[i], request_id[i] = request.history_offset, row.samples, request.request_id
-            if row.speculative:  # drafts from the window and selection of the verification in flight
-                recent[i], n_sel[i], draft_step[i] = request.pending_recent_start, request.pending_budget, 1
-                shift_index[i], max_shift[i] = request.verify_result_index * (k + 2), row.max_shift
-            elif row.kind is RowKind.DRAFT:
-                recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
-            elif row.kind is RowKind.VERIFY:
-                budget[i], refreshes[i], selectable[i] = row.budget, row.refreshes, row.selectable_keys
-                request.verify_result_index = verify_count
-                verify_count += 1
-            if self.num_params:
-                params[i] = request.processor_params
-            rid = request.request_id
-            if rid in changed_requests:  # the others' tables are as last sent
-                self.page_table.sync(request.slot, allocator.page_table(rid), allocator.take_changed(rid))
+        if changed_requests:  # the others' tables are as last sent
+            changed = np.fromiter(changed_requests, np.int64, len(changed_requests))
+            for i in np.flatnonzero(np.isin(request_id, changed)).tolist():
+                rid = rows[i].request.request_id
+                self.page_table.sync(rows[i].request.slot, allocator.page_table(rid), allocator.take_changed(rid))
         is_prefill, is_verify, is_draft = kind == RowKind.PREFILL, kind == RowKind.VERIFY, kind == RowKind.DRAFT
         is_plain = kind == RowKind.PLAIN
         n_p, n_v, n_pl, n_d = int(is_prefill.sum()), int(is_verify.sum()), int(is_plain.sum()), int(is_draft.sum())

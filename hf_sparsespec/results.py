@@ -96,6 +96,8 @@ class StopChecker:
         `drafted` drafts verified; or the first token, `drafted=None`) up to its first stop, and record
         its statistics. Returns (kept, reason): how many of `tokens` the request keeps, and why it stops
         (None while it runs). Other requests the criteria stopped meanwhile are in `take_stopped()`."""
+        if not self.criteria:  # eos and the length limit alone: no frontier, no commits kept for truncation
+            return self._commit_alone(request, tokens, drafted)
         row = self._row(request)
         assert row.final is None, "a request the stopping criteria finished committed more tokens"
         start = len(request.generated)
@@ -112,13 +114,27 @@ class StopChecker:
         _record(request.stats, drafted, kept)
         if reason is not None:
             row.own_end, row.own_reason = len(request.generated), reason
-        if not self.criteria:
-            return kept, reason
         self._advance()
         if row.final is not None:
             assert row.final > start, "the frontier stopped a request before tokens it had already kept"
             self._stopped = [(r, why) for r, why in self._stopped if r is not request]
             kept, reason = row.final - start, row.reason
+        return kept, reason
+
+    def _commit_alone(self, request: Request, tokens: list[int], drafted: int | None) -> tuple[int, str | None]:
+        """`commit` without stopping criteria (every request's own tokens decide its end): the host's
+        per-token work at every row of our AR mode, so it does only what the result needs."""
+        eos, generated = self.eos_token_ids, request.generated
+        room = max(request.max_new_tokens - len(generated), 1)  # tokens it may append (the last one ends it)
+        kept, reason = len(tokens), None
+        if kept >= room:
+            kept, reason = room, "length"
+        for index in range(kept):
+            if tokens[index] in eos:
+                kept, reason = index + 1, "eos"
+                break
+        generated.extend(tokens[:kept] if kept < len(tokens) else tokens)
+        _record(request.stats, drafted, kept)
         return kept, reason
 
     def take_stopped(self) -> list[tuple[Request, str]]:
