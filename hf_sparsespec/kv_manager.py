@@ -89,6 +89,9 @@ class KVManager:
         self.host = host
         self.dynamic = config.kv_policy == "dynamic"
         self.block_pages = allocator.pages_for(config.num_draft_tokens + 1)
+        # the most pages a decoding row's next iteration adds (`_growth`; prefill chunks add more): a
+        # speculative draft past the verification in flight, k + 2 positions (twice that, for margin)
+        self.max_decode_growth = allocator.pages_for(2 * config.num_draft_tokens + 4)
         self.residency: dict[int, Residency] = {}
         self._order: dict[int, int] = {}  # request id -> admission number
         self._admitted = 0
@@ -175,6 +178,8 @@ class KVManager:
             return
         iteration = scheduler.iteration
         self._poll(scheduler)
+        if not self._away and self._room_for_any_growth(scheduler):
+            return  # whatever the rows add leaves the headroom free: nothing to offload, nothing away to restore
         running = [r for r in scheduler.active if self.residency[r.request_id] is Residency.RUNNING]
         for away in self._away.values():
             scheduler.park(away.request)  # out of the phase buckets while away
@@ -206,6 +211,15 @@ class KVManager:
             self._restore_next(scheduler, spare, running)
         if any(a.pages or a.restore is not None for a in self._away.values()):
             self.copy_iterations.append(iteration)
+
+    def _room_for_any_growth(self, scheduler) -> bool:
+        """Whether the free pages hold the headroom and the most every active request's next row could
+        add, so that the exact demand (a Python loop over the rows) need not be summed; never while
+        a prompt is still being prefilled (a chunk adds more than a decoding row)."""
+        active = len(scheduler.active)
+        if self.allocator.num_free_pages - active * self.max_decode_growth < self.headroom(active):
+            return False
+        return not scheduler.prefilling()
 
     def _growth(self, scheduler, request) -> int:
         """Pages the request's next row adds."""

@@ -412,6 +412,10 @@ class Scheduler:
         """Whether the request's next iteration runs a row (not while it awaits a result)."""
         return request.phase in (Phase.PREFILL, Phase.DRAFT, Phase.VERIFY, Phase.VERIFYING)
 
+    def prefilling(self) -> bool:
+        """Whether an admitted request's prompt is not fully prefilled yet."""
+        return any(request.phase is Phase.PREFILL for request in self.active)
+
     def upcoming_length(self, request: Request) -> int:
         """The most token positions the request holds once its next row ran (its page demand)."""
         if request.phase is Phase.PREFILL:

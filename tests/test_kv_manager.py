@@ -103,6 +103,31 @@ def test_greedy_under_pressure_equals_unpressured_and_plain_generate(model, batc
     assert len(recorder.restores) == kv.restores
 
 
+@pytest.mark.parametrize("num_draft_tokens,chunk", [(K, 512), (0, 512), (K, 3), (8, 2)])
+def test_the_free_pool_shortcut_is_taken_only_when_the_exact_demand_fits(model, batch, monkeypatch, num_draft_tokens,
+                                                                         chunk):  # fmt: skip
+    """`KVManager.prepare` skips summing the rows' page demand when the free pages hold `max_decode_growth`
+    pages an active request plus the headroom. Every time it does, under pressure (offloads, restores,
+    rollbacks of speculative drafts, prompts in chunks), the exact demand must leave the headroom free:
+    then the exact path would have offloaded and restored nothing either."""
+    shortcut, taken = KVManager._room_for_any_growth, []
+
+    def checked(self, scheduler):
+        room = shortcut(self, scheduler)
+        if room:
+            running = [r for r in scheduler.active if self.runs(r)]
+            need = sum(self._growth(scheduler, r) for r in running)
+            assert self.allocator.num_free_pages - need >= self.headroom(len(running)), (need, self.max_decode_growth)
+            taken.append(need)
+        return room
+
+    monkeypatch.setattr(KVManager, "_room_for_any_growth", checked)
+    cfg = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=4, page_size=PAGE, num_pages=POOL,
+                           prefill_chunk_size=chunk)  # fmt: skip
+    out = run(model, *batch, cfg, do_sample=False)
+    assert out.sparsespec_stats.kv.offloads > 0 and len(taken) > 10 and max(taken) > 0
+
+
 class SlowEvent:
     """A copy that completes only after a few polls (a busy copy stream), or once the compute stream was
     ordered after it."""
