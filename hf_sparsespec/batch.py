@@ -241,19 +241,19 @@ class BatchBuilder:
         max_shift = np.zeros(n_rows, np.int64)
         verify_count = 0
         params = np.zeros((n_rows, self.num_params), np.int64)
-        if k:
-            drafts = [(i, row) for i, row in enumerate(rows) if row.kind is RowKind.DRAFT or row.kind is RowKind.VERIFY]
-            for i, row in drafts:
-                request = row.request
-                if row.speculative:  # drafts from the window and selection of the verification in flight
-                    recent[i], n_sel[i], draft_step[i] = request.pending_recent_start, request.pending_budget, 1
-                    shift_index[i], max_shift[i] = request.verify_result_index * (k + 2), row.max_shift
-                elif row.kind is RowKind.DRAFT:
-                    recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
-                else:
-                    budget[i], refreshes[i], selectable[i] = row.budget, row.refreshes, row.selectable_keys
-                    request.verify_result_index = verify_count
-                    verify_count += 1
+        for i, row in enumerate(rows):
+            if row.kind is not RowKind.DRAFT and row.kind is not RowKind.VERIFY:
+                continue
+            request = row.request
+            if row.speculative:  # drafts from the window and selection of the verification in flight
+                recent[i], n_sel[i], draft_step[i] = request.pending_recent_start, request.pending_budget, 1
+                shift_index[i], max_shift[i] = request.verify_result_index * (k + 2), row.max_shift
+            elif row.kind is RowKind.DRAFT:
+                recent[i], n_sel[i], draft_step[i] = request.recent_start, request.num_selected, row.draft_index
+            else:
+                budget[i], refreshes[i], selectable[i] = row.budget, row.refreshes, row.selectable_keys
+                request.verify_result_index = verify_count
+                verify_count += 1
         if self.num_params:
             params[:] = [row.request.processor_params for row in rows]
         changed_requests = allocator.changed_requests
