@@ -24,6 +24,7 @@ Prints a table last; writes JSON to `--out` (a folder) when given.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def main() -> None:
         rows.append(row)
         print(f"# {row['tokens']} tokens, {row['projection']}: {row['ms']:.4f} ms", flush=True)
 
-    for tokens, library in ((tokens, library) for tokens in counts for library in libraries):
+    for tokens, library in itertools.product(counts, libraries):
         torch.backends.cuda.preferred_blas_library(library)
         tag = f", {library}" if len(libraries) > 1 else ""
         forward_ms = forward_ideal = 0.0

@@ -96,19 +96,14 @@ class StopChecker:
         `drafted` drafts verified; or the first token, `drafted=None`) up to its first stop, and record
         its statistics. Returns (kept, reason): how many of `tokens` the request keeps, and why it stops
         (None while it runs). Other requests the criteria stopped meanwhile are in `take_stopped()`."""
+        start = len(request.generated)
+        kept, reason = self._own_stop(request, tokens)
         if not self.criteria:  # eos and the length limit alone: no frontier, no commits kept for truncation
-            return self._commit_alone(request, tokens, drafted)
+            request.generated.extend(tokens[:kept])
+            _record(request.stats, drafted, kept)
+            return kept, reason
         row = self._row(request)
         assert row.final is None, "a request the stopping criteria finished committed more tokens"
-        start = len(request.generated)
-        kept, reason = len(tokens), None
-        for index, token in enumerate(tokens):
-            if token in self.eos_token_ids:
-                kept, reason = index + 1, "eos"
-                break
-            if start + index + 1 >= request.max_new_tokens:
-                kept, reason = index + 1, "length"
-                break
         request.generated.extend(tokens[:kept])
         row.commits.append((drafted, kept))
         _record(request.stats, drafted, kept)
@@ -121,20 +116,14 @@ class StopChecker:
             kept, reason = row.final - start, row.reason
         return kept, reason
 
-    def _commit_alone(self, request: Request, tokens: list[int], drafted: int | None) -> tuple[int, str | None]:
-        """`commit` without stopping criteria (every request's own tokens decide its end): the host's
-        per-token work at every row of our AR mode, so it does only what the result needs."""
-        eos, generated = self.eos_token_ids, request.generated
-        room = max(request.max_new_tokens - len(generated), 1)  # tokens it may append (the last one ends it)
-        kept, reason = len(tokens), None
-        if kept >= room:
-            kept, reason = room, "length"
+    def _own_stop(self, request: Request, tokens: list[int]) -> tuple[int, str | None]:
+        """(kept, reason) by the request's own rules: its tokens up to its first eos, at most up to its
+        length limit (an eos at the limit's token is the reason)."""
+        room = max(request.max_new_tokens - len(request.generated), 1)  # the last token it may append ends it
+        kept, reason = (room, "length") if len(tokens) >= room else (len(tokens), None)
         for index in range(kept):
-            if tokens[index] in eos:
-                kept, reason = index + 1, "eos"
-                break
-        generated.extend(tokens[:kept] if kept < len(tokens) else tokens)
-        _record(request.stats, drafted, kept)
+            if tokens[index] in self.eos_token_ids:
+                return index + 1, "eos"
         return kept, reason
 
     def take_stopped(self) -> list[tuple[Request, str]]:
