@@ -6,8 +6,10 @@ all its drafts), so what is timed is what the host does around it at a given row
 
 Each run (`ar`: `num_draft_tokens=0`; otherwise a selection, k = `--k`) decodes `--batch` requests of a
 tiny random model on the CPU: the prefill for real, then `--warm-steps` steps, then `--steps` timed
-ones, `--repeats` times. Per step: `schedule`, `build` (the host batch), `launch` (the runner's upload
-and result copy, its device step skipped), `commit` (reading the results) and the whole step, in ms
+ones, `--repeats` times. The decode steps are padded to buckets and each bucket keeps its views of the
+step buffers, as on a GPU with CUDA graphs (a captured graph keeps them; an eager step builds them).
+Per step: `schedule`, `build` (the host batch), `launch` (the runner's upload and result copy, its
+device step skipped), `commit` (reading the results) and the whole step, in ms
 (`e2e_throughput.HostTimes`); the table shows the fastest repeat and the median. On a GPU the same host
 work runs beside the device's: a decode step's host time above its device time is wall time lost.
 """
@@ -29,7 +31,7 @@ from hf_sparsespec.generation import prepare_batch
 
 
 def time_host_steps(model, run: str, args) -> list[dict[str, float]]:
-    """Each repeat's mean ms per timed step, by part."""
+    """Each repeat's mean ms per timed step, by part, and the buckets its decode steps were padded to."""
     k = 0 if run == "ar" else args.k
     selection = {} if run == "ar" else dict(selection=run)
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=16, **selection)
@@ -40,9 +42,19 @@ def time_host_steps(model, run: str, args) -> list[dict[str, float]]:
     repeats = []
     for _ in range(args.repeats):
         job = prepare_batch(model, prompts, gen)
-        engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker)
+        # decode steps padded to buckets, as with CUDA graphs; a bucket's views kept, as its captured graph keeps them
+        engine = Engine(model, job.requests, config, job.pipeline, job.do_sample, job.stop_checker, pad_to_buckets=True)
         runner = engine.runner
-        device_step, launch = runner._step, runner.run
+        device_step, launch, views_of = runner._step, runner.run, {}
+
+        def replayed_views(shape, views=runner._views, views_of=views_of):
+            if not shape.padded:
+                return views(shape)  # an eager step's (the prefill's)
+            if shape not in views_of:
+                views_of[shape] = views(shape)
+            return views_of[shape]
+
+        runner._views = replayed_views
 
         def host_only_step(views, batch, device_step=device_step, runner=runner):
             if batch is not None and batch.shape.num_prefill_rows:
@@ -63,7 +75,7 @@ def time_host_steps(model, run: str, args) -> list[dict[str, float]]:
             first = len(host.steps)
             for _ in range(args.steps):
                 engine.step()
-        repeats.append(host.means(first))
+        repeats.append(host.means(first) | {"buckets": len(views_of)})
     return repeats
 
 
@@ -79,13 +91,13 @@ def main() -> None:
     model, _ = random_model("tiny", torch.float32, "cpu")
     parts = (*HostTimes.PARTS, "step")
     print(f"host ms per step, {args.batch} rows, {args.steps} steps x {args.repeats} repeats: fastest (median)")
-    print("| run | " + " | ".join(part for part in parts if part != "wait") + " |")
-    print("|---|" + "---|" * (len(parts) - 1))
+    print("| run | " + " | ".join(part for part in parts if part != "wait") + " | buckets |")
+    print("|---|" + "---|" * len(parts))
     for run in args.runs.split(","):
         repeats = time_host_steps(model, run, args)
         shown = [part for part in parts if part != "wait"]  # ~0: nothing waits for a skipped device step
         cells = [f"{min(r[p] for r in repeats):.3f} ({np.median([r[p] for r in repeats]):.3f})" for p in shown]
-        print(f"| {run} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {run} | " + " | ".join(cells) + f" | {max(r['buckets'] for r in repeats)} |", flush=True)
 
 
 if __name__ == "__main__":
