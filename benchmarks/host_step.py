@@ -10,7 +10,8 @@ ones, `--repeats` times. The decode steps are padded to buckets and each bucket 
 step buffers, as on a GPU with CUDA graphs (a captured graph keeps them; an eager step builds them).
 Per step: `schedule`, `build` (the host batch), `launch` (the runner's upload and result copy, its
 device step skipped), `commit` (reading the results) and the whole step, in ms
-(`e2e_throughput.HostTimes`); the table shows the fastest repeat and the median. On a GPU the same host
+(`e2e_throughput.HostTimes`); the table shows the fastest repeat and the median, then the garbage
+collections' ms per step (median) and the longest collection (of all repeats). On a GPU the same host
 work runs beside the device's: a decode step's host time above its device time is wall time lost.
 """
 
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 import torch
-from e2e_throughput import HostTimes
+from e2e_throughput import HostTimes, recording_gc_pauses
 from loading import random_model
 from transformers import GenerationConfig
 
@@ -31,7 +32,8 @@ from hf_sparsespec.generation import prepare_batch
 
 
 def time_host_steps(model, run: str, args) -> list[dict[str, float]]:
-    """Each repeat's mean ms per timed step, by part, and the buckets its decode steps were padded to."""
+    """Each repeat's mean ms per timed step, by part; the garbage collections' ms per step and the longest
+    one's (they pause the host: inside the parts); the buckets its decode steps were padded to."""
     k = 0 if run == "ar" else args.k
     selection = {} if run == "ar" else dict(selection=run)
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=16, **selection)
@@ -73,9 +75,11 @@ def time_host_steps(model, run: str, args) -> list[dict[str, float]]:
             while engine.scheduler.iteration < args.warm_steps:
                 engine.step()
             first = len(host.steps)
-            for _ in range(args.steps):
-                engine.step()
-        repeats.append(host.means(first) | {"buckets": len(views_of)})
+            with recording_gc_pauses() as pauses:
+                for _ in range(args.steps):
+                    engine.step()
+        gc_times = {"gc": pauses["ms"] / args.steps, "gc_longest": pauses["max_ms"]}
+        repeats.append(host.means(first) | gc_times | {"buckets": len(views_of)})
     return repeats
 
 
@@ -91,13 +95,15 @@ def main() -> None:
     model, _ = random_model("tiny", torch.float32, "cpu")
     parts = (*HostTimes.PARTS, "step")
     print(f"host ms per step, {args.batch} rows, {args.steps} steps x {args.repeats} repeats: fastest (median)")
-    print("| run | " + " | ".join(part for part in parts if part != "wait") + " | buckets |")
-    print("|---|" + "---|" * len(parts))
+    print("| run | " + " | ".join(part for part in parts if part != "wait") + " | GC a step (longest) | buckets |")
+    print("|---|" + "---|" * (len(parts) + 1))
     for run in args.runs.split(","):
         repeats = time_host_steps(model, run, args)
         shown = [part for part in parts if part != "wait"]  # ~0: nothing waits for a skipped device step
         cells = [f"{min(r[p] for r in repeats):.3f} ({np.median([r[p] for r in repeats]):.3f})" for p in shown]
-        print(f"| {run} | " + " | ".join(cells) + f" | {max(r['buckets'] for r in repeats)} |", flush=True)
+        collections = f"{np.median([r['gc'] for r in repeats]):.3f} ({max(r['gc_longest'] for r in repeats):.1f})"
+        print(f"| {run} | " + " | ".join(cells) + f" | {collections} | {max(r['buckets'] for r in repeats)} |",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
