@@ -28,22 +28,29 @@ def nothing_frozen():
     assert gc.get_freeze_count() == 0
 
 
+def _collectable(obj) -> bool:
+    """Whether `obj` is in one of the collector's generations (a frozen object is in none of them)."""
+    return any(o is obj for o in gc.get_objects())
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_every_step_runs_with_the_earlier_heap_frozen_and_it_is_unfrozen_after(nothing_frozen, k):
     model = tiny_model("llama", num_hidden_layers=1)
     config = SparseSpecConfig(num_draft_tokens=k, min_budget=2, page_size=4, backend="torch")
     engine, requests = _build_engine(model, [[1, 2, 3, 4], [5, 6]], config, pad=False, max_new_tokens=7)
-    tracked_before = len(gc.get_objects())
-    frozen_at_steps = []
+    assert _collectable(model)
+    seen_at_steps = []
     step = engine.step
 
     def step_and_look():
-        frozen_at_steps.append(gc.get_freeze_count())
+        seen_at_steps.append((gc.get_freeze_count() > 0, _collectable(model), _collectable(requests)))
         step()
 
     engine.step = step_and_look
     engine.run()
-    assert frozen_at_steps and min(frozen_at_steps) >= tracked_before
+    assert seen_at_steps and all(frozen and not model_seen for frozen, model_seen, _ in seen_at_steps)
+    assert not any(requests_seen for _, _, requests_seen in seen_at_steps)  # made before the run: frozen too
+    assert _collectable(model) and _collectable(requests)  # back in the collector's generations
     assert [len(r.generated) for r in requests] == [7, 7]
 
 
