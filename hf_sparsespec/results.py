@@ -97,16 +97,14 @@ class StopChecker:
         its statistics. Returns (kept, reason): how many of `tokens` the request keeps, and why it stops
         (None while it runs). Other requests the criteria stopped meanwhile are in `take_stopped()`."""
         start = len(request.generated)
+        row = self._row(request) if self.criteria else None  # eos and the length limit alone: no frontier
+        assert row is None or row.final is None, "a request the stopping criteria finished committed more tokens"
         kept, reason = self._own_stop(request, tokens)
-        if not self.criteria:  # eos and the length limit alone: no frontier, no commits kept for truncation
-            request.generated.extend(tokens[:kept])
-            _record(request.stats, drafted, kept)
-            return kept, reason
-        row = self._row(request)
-        assert row.final is None, "a request the stopping criteria finished committed more tokens"
         request.generated.extend(tokens[:kept])
-        row.commits.append((drafted, kept))
         _record(request.stats, drafted, kept)
+        if row is None:  # no commits kept for the frontier's truncation
+            return kept, reason
+        row.commits.append((drafted, kept))
         if reason is not None:
             row.own_end, row.own_reason = len(request.generated), reason
         self._advance()
