@@ -74,8 +74,14 @@ def assert_same_distribution(plain: torch.Tensor, ours: torch.Tensor) -> None:
 @pytest.mark.parametrize("num_draft_tokens", [1, 0], ids=["sparsespec", "autoregressive"])
 @pytest.mark.parametrize(
     "sampling",
-    [dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_k=5, top_p=0.9)],
-    ids=["plain", "temperature-topk-topp"],
+    [
+        dict(temperature=1.0, top_k=0),
+        dict(temperature=0.7, top_k=5, top_p=0.9),
+        # processors that read each row's history (drafts included) and an EOS that ends rows early
+        dict(temperature=1.0, top_k=0, min_p=0.05, repetition_penalty=1.5, no_repeat_ngram_size=3, eos_token_id=2,
+             min_new_tokens=3, pad_token_id=0),  # fmt: skip
+    ],
+    ids=["plain", "temperature-topk-topp", "history-processors-eos"],
 )
 def test_output_distribution_equals_plain_sampling(sampling, num_draft_tokens):
     config = SparseSpecConfig(num_draft_tokens=num_draft_tokens, min_budget=1, budget_ratio=0.01, page_size=2,
@@ -84,7 +90,10 @@ def test_output_distribution_equals_plain_sampling(sampling, num_draft_tokens):
     if num_draft_tokens:
         assert 0.05 < total.acceptance_rate < 0.95, total.as_dict()  # rejections and acceptances both happened
     else:
-        assert total.drafted_tokens == 0 and total.cycles == SAMPLES * (NEW_TOKENS - 1)
+        assert total.drafted_tokens == 0 and total.cycles == total.generated_tokens - SAMPLES  # one token a cycle
+        lengths = [row.index(eos) + 1 if eos in row else NEW_TOKENS
+                   for row in ours.tolist() for eos in [sampling.get("eos_token_id", -1)]]  # fmt: skip
+        assert total.generated_tokens == sum(lengths)
     assert_same_distribution(plain, ours)
 
 
