@@ -102,10 +102,6 @@ def test_arguments_plain_generate_rejects_are_rejected_too():
     assert str(ours.value) == str(plain.value)
 
 
-def generated_rows(out: torch.Tensor, prompt_width: int) -> list[list[int]]:
-    return out[:, prompt_width:].tolist()
-
-
 @pytest.mark.parametrize("seed", [*range(100, 110), 219])  # 219: an EOS id among the bad words
 def test_random_sampled_arguments_keep_their_constraints(seed):
     arch, lengths, kwargs, config = random_case(seed, do_sample=True)
@@ -120,7 +116,7 @@ def test_random_sampled_arguments_keep_their_constraints(seed):
     eos = set(kwargs.get("eos_token_id", []))
     # transformers drops EOS ids from `bad_words_ids` (`NoBadWordsLogitsProcessor`); suppressed tokens stay banned
     banned = {w[0] for w in kwargs.get("bad_words_ids", [])} - eos | set(kwargs.get("suppress_tokens", []))
-    for row, generated in enumerate(generated_rows(out, width)):
+    for row, generated in enumerate(out[:, width:].tolist()):
         end = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
         tokens, tail = generated[:end], generated[end:]
         assert all(t == PAD for t in tail), f"row {row}: tokens after its EOS {tail}"
