@@ -124,8 +124,8 @@ def test_random_sampled_arguments_keep_their_constraints(seed):
         if kwargs.get("begin_suppress_tokens"):
             assert tokens[0] not in kwargs["begin_suppress_tokens"]
         if eos and "min_new_tokens" in kwargs:
-            first_eos = next((i for i, t in enumerate(tokens) if t in eos), None)
-            assert first_eos is None or first_eos >= kwargs["min_new_tokens"], f"row {row}: EOS at {first_eos}"
+            # `tokens` end at the row's first EOS, if it has one
+            assert tokens[-1] not in eos or len(tokens) > kwargs["min_new_tokens"], f"row {row}: EOS at {len(tokens) - 1}"
         if kwargs.get("forced_eos_token_id") is not None and len(tokens) == new:
             assert tokens[-1] == kwargs["forced_eos_token_id"], f"row {row} did not end with the forced EOS"
         n = kwargs.get("no_repeat_ngram_size")
